@@ -1,0 +1,29 @@
+/**
+ * Tells an unreachable or failing Postgres/Redis apart from a bug in our own statements.
+ * Repositories wrap every call with these, so the rest of the code sees either a result,
+ * a DomainError DEPENDENCY_UNAVAILABLE (503), or a genuine bug (500).
+ */
+
+// Postgres SQLSTATEs that mean "the server is not there for you right now":
+// class 08 connection exception, 57P01-57P03 shutdown / cannot connect now, 53300 too many connections,
+// 57014 statement timeout (we bounded it and it did not finish), 55P03 lock not available.
+const PG_OUTAGE_STATE = /^(08[0-9A-Z]{3}|57P0[1-3]|53300|57014|55P03)$/;
+const SQLSTATE = /^[0-9A-Z]{5}$/;
+
+/** A Postgres error is an outage unless the server answered with a SQLSTATE that blames the statement. */
+export function isPostgresOutage(err: unknown): boolean {
+  const e = err as { code?: unknown; driverError?: { code?: unknown } } | null;
+  const code = e?.driverError?.code ?? e?.code;
+  if (typeof code === 'string' && SQLSTATE.test(code)) return PG_OUTAGE_STATE.test(code);
+  return true;
+}
+
+// Redis replies that mean "not now" rather than "wrong command".
+const REDIS_TRANSIENT_REPLY = /^(LOADING|BUSY|READONLY|MASTERDOWN|TRYAGAIN|CLUSTERDOWN|MOVED|ASK)\b/;
+
+/** A Redis error is an outage unless Redis itself replied with an error about the command or script. */
+export function isRedisOutage(err: unknown): boolean {
+  const e = err as { name?: unknown; message?: unknown } | null;
+  if (e?.name === 'ReplyError') return REDIS_TRANSIENT_REPLY.test(String(e.message ?? ''));
+  return true;
+}

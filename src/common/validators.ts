@@ -1,0 +1,35 @@
+import { ValidationOptions, registerDecorator } from 'class-validator';
+
+export const POOL_NAME = /^[a-z0-9][a-z0-9_-]{0,62}$/;
+/** Resource ids are Postgres bigints, sent as decimal strings. */
+export const RESOURCE_ID = /^[1-9][0-9]{0,18}$/;
+
+const MAX_ATTRIBUTES = 32;
+
+/** A flat object of string values: `{ "city": "bj" }`; no nesting, no NUL characters, at most 32 keys. */
+export function IsFlatStringRecord(options?: ValidationOptions): PropertyDecorator {
+  return (target: object, propertyName: string | symbol) => {
+    registerDecorator({
+      name: 'isFlatStringRecord',
+      target: target.constructor,
+      propertyName: String(propertyName),
+      options: {
+        message: `$property must be a flat object of at most ${MAX_ATTRIBUTES} string values (keys 1-64 characters, values up to 256)`,
+        ...options,
+      },
+      validator: {
+        validate(value: unknown): boolean {
+          if (value === null || typeof value !== 'object' || Array.isArray(value)) return false;
+          const entries = Object.entries(value as Record<string, unknown>);
+          return (
+            entries.length <= MAX_ATTRIBUTES &&
+            entries.every(
+              ([k, v]) =>
+                k.length >= 1 && k.length <= 64 && !k.includes('\0') && typeof v === 'string' && v.length <= 256 && !v.includes('\0'),
+            )
+          );
+        },
+      },
+    });
+  };
+}

@@ -1,0 +1,30 @@
+import { DataSource, DataSourceOptions } from 'typeorm';
+import { Init1763700000000 } from '../../migrations/1763700000000-Init.js';
+import { AppConfig } from '../config/app-config.js';
+import { ENTITIES } from './entities.js';
+
+export const MIGRATIONS = [Init1763700000000];
+
+export function dataSourceOptions(config: AppConfig): DataSourceOptions {
+  return {
+    type: 'postgres',
+    url: config.DATABASE_URL,
+    entities: ENTITIES,
+    migrations: MIGRATIONS,
+    migrationsTableName: 'typeorm_migrations',
+    synchronize: false,
+    migrationsRun: false,
+    logging: false,
+    poolSize: config.DB_POOL_SIZE,
+    connectTimeoutMS: config.DB_TIMEOUT_MS,
+    extra: {
+      // Bound every statement on the server and on the client: a request never hangs on Postgres.
+      statement_timeout: config.DB_TIMEOUT_MS,
+      query_timeout: config.DB_TIMEOUT_MS + 1000,
+      connectionTimeoutMillis: config.DB_TIMEOUT_MS,
+      idleTimeoutMillis: 30_000,
+      keepAlive: true,
+      application_name: 'respool',
+    },
+  };
+}

@@ -1,0 +1,68 @@
+import pg from 'pg';
+import { DataSource } from 'typeorm';
+import { AppConfig, loadConfig } from '../config/app-config.js';
+import { dataSourceOptions } from './data-source.js';
+
+const MIGRATION_LOCK = 7_361_905_021; // arbitrary, constant pg_advisory_lock key for respool migrations
+
+function quoteIdent(name: string): string {
+  return `"${name.replace(/"/g, '""')}"`;
+}
+
+/** Creates the database named in DATABASE_URL when it does not exist yet (connecting to the `postgres` database to do so). */
+export async function ensureDatabase(databaseUrl: string, timeoutMs = 5000): Promise<void> {
+  const url = new URL(databaseUrl);
+  const name = decodeURIComponent(url.pathname.replace(/^\//, '')) || 'postgres';
+  const admin = new URL(databaseUrl);
+  admin.pathname = '/postgres';
+  const client = new pg.Client({ connectionString: admin.toString(), connectionTimeoutMillis: timeoutMs });
+  await client.connect();
+  try {
+    const found = await client.query('SELECT 1 FROM pg_database WHERE datname = $1', [name]);
+    if (found.rowCount === 0) {
+      try {
+        await client.query(`CREATE DATABASE ${quoteIdent(name)}`);
+      } catch (err) {
+        // Another instance created it between our check and our CREATE: that is fine.
+        if ((err as { code?: string }).code !== '42P04' && (err as { code?: string }).code !== '23505') throw err;
+      }
+    }
+  } finally {
+    await client.end();
+  }
+}
+
+/**
+ * Applies pending migrations under a Postgres advisory lock, so instances that start together
+ * run them once. Returns the names of the migrations applied.
+ */
+export async function runMigrations(config: AppConfig): Promise<string[]> {
+  await ensureDatabase(config.DATABASE_URL, config.DB_TIMEOUT_MS);
+  const lock = new pg.Client({ connectionString: config.DATABASE_URL, connectionTimeoutMillis: config.DB_TIMEOUT_MS });
+  await lock.connect();
+  try {
+    await lock.query('SELECT pg_advisory_lock($1)', [MIGRATION_LOCK]);
+    const ds = new DataSource(dataSourceOptions(config));
+    await ds.initialize();
+    try {
+      const applied = await ds.runMigrations({ transaction: 'each' });
+      return applied.map((m) => m.name);
+    } finally {
+      await ds.destroy();
+    }
+  } finally {
+    await lock.end();
+  }
+}
+
+// `npm run migration:run`: apply pending migrations and exit.
+if (import.meta.url === `file://${process.argv[1]}`) {
+  runMigrations(loadConfig(process.env))
+    .then((applied) => {
+      console.log(applied.length ? `applied: ${applied.join(', ')}` : 'no pending migrations');
+    })
+    .catch((err: unknown) => {
+      console.error(err instanceof Error ? err.message : err);
+      process.exitCode = 1;
+    });
+}

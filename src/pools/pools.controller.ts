@@ -1,0 +1,71 @@
+import { Body, Controller, Get, HttpCode, Param, Post } from '@nestjs/common';
+import { ApiCreatedResponse, ApiOkResponse, ApiOperation, ApiTags } from '@nestjs/swagger';
+import { ApiErrors } from '../common/api-errors.decorator.js';
+import { ErrorCode } from '../common/errors.js';
+import {
+  CreatePoolDto,
+  ImportResourcesDto,
+  ImportResultDto,
+  PoolDto,
+  PoolParams,
+  PoolWithStatsDto,
+  ReleaseResourceDto,
+  ResourceDto,
+  ResourceParams,
+} from './pool.dto.js';
+import { PoolsService } from './pools.service.js';
+
+@ApiTags('pools')
+@Controller('v1/pools')
+export class PoolsController {
+  constructor(private readonly pools: PoolsService) {}
+
+  @Post()
+  @ApiOperation({ summary: 'Create a pool' })
+  @ApiCreatedResponse({ type: PoolDto })
+  @ApiErrors(ErrorCode.VALIDATION_FAILED, ErrorCode.POOL_EXISTS, ErrorCode.PAYLOAD_TOO_LARGE)
+  create(@Body() dto: CreatePoolDto): Promise<PoolDto> {
+    return this.pools.create(dto);
+  }
+
+  @Get()
+  @ApiOperation({ summary: 'List pools' })
+  @ApiOkResponse({ type: [PoolDto] })
+  @ApiErrors()
+  list(): Promise<PoolDto[]> {
+    return this.pools.list();
+  }
+
+  @Get(':pool')
+  @ApiOperation({ summary: 'A pool with its item counts' })
+  @ApiOkResponse({ type: PoolWithStatsDto })
+  @ApiErrors(ErrorCode.VALIDATION_FAILED, ErrorCode.POOL_NOT_FOUND)
+  get(@Param() params: PoolParams): Promise<PoolWithStatsDto> {
+    return this.pools.get(params.pool);
+  }
+
+  @Post(':pool/resources')
+  @ApiOperation({ summary: 'Bulk import items (at most 10,000 a call); values already in the pool count as duplicates' })
+  @ApiCreatedResponse({ type: ImportResultDto })
+  @ApiErrors(ErrorCode.VALIDATION_FAILED, ErrorCode.POOL_NOT_FOUND, ErrorCode.PAYLOAD_TOO_LARGE)
+  importResources(@Param() params: PoolParams, @Body() dto: ImportResourcesDto): Promise<ImportResultDto> {
+    return this.pools.importResources(params.pool, dto);
+  }
+
+  @Get(':pool/resources/:id')
+  @ApiOperation({ summary: 'One item and its state' })
+  @ApiOkResponse({ type: ResourceDto })
+  @ApiErrors(ErrorCode.VALIDATION_FAILED, ErrorCode.POOL_NOT_FOUND, ErrorCode.RESOURCE_NOT_FOUND)
+  getResource(@Param() params: ResourceParams): Promise<ResourceDto> {
+    return this.pools.getResource(params.pool, params.id);
+  }
+
+  @Post(':pool/resources/:id/release')
+  @HttpCode(200)
+  @ApiOperation({ summary: 'Release an allocated item back to the pool (its version is incremented)' })
+  @ApiOkResponse({ type: ResourceDto })
+  @ApiErrors(ErrorCode.VALIDATION_FAILED, ErrorCode.POOL_NOT_FOUND, ErrorCode.RESOURCE_NOT_FOUND, ErrorCode.NOT_ALLOCATED)
+  release(@Param() params: ResourceParams, @Body() dto: ReleaseResourceDto): Promise<ResourceDto> {
+    return this.pools.releaseResource(params.pool, params.id, dto.owner);
+  }
+}

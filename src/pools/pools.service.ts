@@ -1,0 +1,136 @@
+import { Injectable, Logger } from '@nestjs/common';
+import { DomainError, ErrorCode } from '../common/errors.js';
+import { PoolEntity, RESOURCE_ALLOCATED } from '../database/entities.js';
+import { PoolRepository } from '../database/pool.repository.js';
+import { ResourceRepository, ResourceRow } from '../database/resource.repository.js';
+import { ALLOCATED_TOMBSTONE } from '../redis/keys.js';
+import { CachedItem, HoldStore } from '../redis/hold-store.repository.js';
+import { PoolCatalog } from './pool-catalog.service.js';
+import { CreatePoolDto, ImportResourcesDto, ImportResultDto, PoolDto, PoolWithStatsDto, ResourceDto } from './pool.dto.js';
+
+export const DEFAULT_HOLD_TTL_MS = 600_000;
+export const DEFAULT_MAX_HOLD_TTL_MS = 3_600_000;
+
+export function toPoolDto(pool: PoolEntity): PoolDto {
+  return {
+    name: pool.name,
+    kind: pool.kind,
+    holdTtlMs: pool.holdTtlMs,
+    maxHoldTtlMs: pool.maxHoldTtlMs,
+    maxHoldsPerOwner: pool.maxHoldsPerOwner,
+    createdAt: pool.createdAt.toISOString(),
+  };
+}
+
+export function toCachedItem(row: ResourceRow): CachedItem {
+  return { id: row.id, v: row.value, n: row.version, g: row.groupKey, a: row.attributes };
+}
+
+@Injectable()
+export class PoolsService {
+  private readonly logger = new Logger(PoolsService.name);
+
+  constructor(
+    private readonly pools: PoolRepository,
+    private readonly resources: ResourceRepository,
+    private readonly catalog: PoolCatalog,
+    private readonly holds: HoldStore,
+  ) {}
+
+  async create(dto: CreatePoolDto): Promise<PoolDto> {
+    const holdTtlMs = dto.holdTtlMs ?? DEFAULT_HOLD_TTL_MS;
+    const maxHoldTtlMs = dto.maxHoldTtlMs ?? Math.max(DEFAULT_MAX_HOLD_TTL_MS, holdTtlMs);
+    if (holdTtlMs > maxHoldTtlMs) {
+      throw DomainError.validation([{ field: 'holdTtlMs', reason: `holdTtlMs must not be greater than maxHoldTtlMs (${maxHoldTtlMs})` }]);
+    }
+    const pool = await this.pools.insert({
+      name: dto.name,
+      kind: dto.kind,
+      holdTtlMs,
+      maxHoldTtlMs,
+      maxHoldsPerOwner: dto.maxHoldsPerOwner ?? null,
+    });
+    if (!pool) throw new DomainError(ErrorCode.POOL_EXISTS, `pool "${dto.name}" already exists`, { pool: dto.name });
+    this.catalog.remember(pool);
+    return toPoolDto(pool);
+  }
+
+  async list(): Promise<PoolDto[]> {
+    return (await this.catalog.all()).map(toPoolDto);
+  }
+
+  async get(name: string): Promise<PoolWithStatsDto> {
+    const pool = await this.catalog.get(name);
+    const [counts, free] = await Promise.all([this.pools.counts(pool.id), this.holds.freeCount(pool.name)]);
+    const unallocated = counts.total - counts.allocated;
+    const freeNow = Math.min(free, unallocated);
+    return {
+      ...toPoolDto(pool),
+      stats: { total: counts.total, free: freeNow, held: unallocated - freeNow, allocated: counts.allocated },
+    };
+  }
+
+  async importResources(name: string, dto: ImportResourcesDto): Promise<ImportResultDto> {
+    const pool = await this.catalog.get(name);
+    // Fail before writing anything if Redis is down: new items must be reservable at once.
+    await this.holds.ping();
+    const rows = await this.resources.insertMany(
+      pool.id,
+      dto.items.map((i) => ({ value: i.value, attributes: i.attributes ?? {}, groupKey: i.groupKey ?? null })),
+    );
+    try {
+      await this.holds.addFree(pool.name, 'rebuild', rows.map(toCachedItem));
+    } catch (err) {
+      // The rows are committed; the reconciler adds them to Redis once it is back.
+      this.logger.warn(`imported ${rows.length} items into "${pool.name}" but could not index them in Redis: ${String(err)}`);
+    }
+    return { inserted: rows.length, duplicates: dto.items.length - rows.length };
+  }
+
+  async getResource(name: string, id: string): Promise<ResourceDto> {
+    const pool = await this.catalog.get(name);
+    const row = await this.resources.findById(pool.id, id);
+    if (!row) throw resourceNotFound(pool.name, id);
+    let state: ResourceDto['state'] = 'allocated';
+    if (row.state !== RESOURCE_ALLOCATED) {
+      const holder = await this.holds.holder(pool.name, id);
+      state = holder && holder !== ALLOCATED_TOMBSTONE ? 'held' : 'free';
+    }
+    return toResourceDto(pool.name, row, state);
+  }
+
+  async releaseResource(name: string, id: string, owner: string): Promise<ResourceDto> {
+    const pool = await this.catalog.get(name);
+    await this.holds.ping();
+    const row = await this.resources.release(pool.id, id, owner);
+    if (!row) {
+      const existing = await this.resources.findById(pool.id, id);
+      if (!existing) throw resourceNotFound(pool.name, id);
+      throw new DomainError(ErrorCode.NOT_ALLOCATED, `resource ${id} is not allocated to "${owner}"`, { resourceId: id, owner });
+    }
+    try {
+      await this.holds.addFree(pool.name, 'release', [toCachedItem(row)]);
+    } catch (err) {
+      this.logger.warn(`released resource ${id} of "${pool.name}" but could not index it in Redis: ${String(err)}`);
+    }
+    return toResourceDto(pool.name, row, 'free');
+  }
+}
+
+function resourceNotFound(pool: string, id: string): DomainError {
+  return new DomainError(ErrorCode.RESOURCE_NOT_FOUND, `resource ${id} does not exist in pool "${pool}"`, { pool, resourceId: id });
+}
+
+function toResourceDto(pool: string, row: ResourceRow, state: ResourceDto['state']): ResourceDto {
+  return {
+    id: row.id,
+    pool,
+    value: row.value,
+    state,
+    version: row.version,
+    owner: row.owner,
+    attributes: row.attributes,
+    groupKey: row.groupKey,
+    updatedAt: new Date(row.updatedAt).toISOString(),
+  };
+}

@@ -1,0 +1,277 @@
+import { Inject, Injectable, OnApplicationShutdown } from '@nestjs/common';
+import { readFileSync } from 'node:fs';
+import type { Redis } from 'ioredis';
+import { AppConfig } from '../config/app-config.js';
+import { isRedisOutage } from '../common/dependency-errors.js';
+import { DomainError } from '../common/errors.js';
+import { freeMember, markerKey, poolKeys } from './keys.js';
+import { REDIS } from './redis.client.js';
+
+/** An item as Redis caches it: the JSON stored in the item hash, in reservations and in imports. */
+export interface CachedItem {
+  id: string;
+  v: string;
+  n: number;
+  g: string | null;
+  a: Record<string, string>;
+}
+
+export type StoredState = 'held' | 'confirming' | 'confirmed' | 'released' | 'expired';
+
+export interface StoredReservation {
+  id: string;
+  state: StoredState;
+  owner: string;
+  kind: 'r' | 'l';
+  createdMs: number;
+  expiresMs: number;
+  items: CachedItem[];
+  outcome: Record<string, unknown> | null;
+  /** Redis server time when this was read: every expiry decision uses the Redis clock. */
+  nowMs: number;
+}
+
+export interface ReserveRequest {
+  reservationId: string;
+  owner: string;
+  count: number;
+  ttlMs: number;
+  maxHoldsPerOwner: number;
+  kind: 'r' | 'l';
+  idempotencyKey?: string;
+  bodyHash?: string;
+  attributes?: Record<string, string>;
+  valuePrefix?: string;
+  groupAffinity: boolean;
+}
+
+export type ReserveResult =
+  | { status: 'ok' | 'replay'; reservation: StoredReservation }
+  | { status: 'exhausted' }
+  | { status: 'quota'; held: number }
+  | { status: 'reused' };
+
+export type PinResult =
+  | { status: 'pinned' | 'confirmed'; reservation: StoredReservation }
+  | { status: 'missing' | 'closed' }
+  | { status: 'notin' | 'lost'; resourceId: string };
+
+export type ReleaseResult =
+  | { status: 'released' | 'confirmed'; reservation: StoredReservation }
+  | { status: 'busy' | 'missing' };
+
+export type ExtendResult = { status: 'extended'; reservation: StoredReservation } | { status: 'expired' | 'closed' | 'missing' };
+
+export interface SweepResult {
+  expiredReservations: number;
+  freedItems: number;
+  stalled: string[];
+}
+
+const SCRIPTS = ['reserve', 'read', 'pin', 'finish', 'release', 'extend', 'sweep', 'abort', 'add_free'] as const;
+type ScriptName = (typeof SCRIPTS)[number];
+type ScriptCall = (key: string, ...args: (string | number)[]) => Promise<unknown>;
+
+/** Tombstone of an allocated item: long enough that a rebuild page read before the commit cannot re-add it. */
+export const TOMBSTONE_MS = 60_000;
+
+function loadScript(name: string): string {
+  const lib = readFileSync(new URL('./scripts/_lib.lua', import.meta.url), 'utf8');
+  return `${lib}\n${readFileSync(new URL(`./scripts/${name}.lua`, import.meta.url), 'utf8')}`;
+}
+
+function parseReservation(reply: string[]): StoredReservation {
+  const [, id, state, owner, kind, created, expires, items, outcome, now] = reply;
+  return {
+    id,
+    state: state as StoredState,
+    owner,
+    kind: kind as 'r' | 'l',
+    createdMs: Number(created),
+    expiresMs: Number(expires),
+    items: JSON.parse(items) as CachedItem[],
+    outcome: outcome ? (JSON.parse(outcome) as Record<string, unknown>) : null,
+    nowMs: Number(now),
+  };
+}
+
+/**
+ * Everything respool keeps in Redis, behind one repository: the free index, holds, reservations and
+ * their expiry. Each hot-path operation is one Lua script (EVALSHA via ioredis defineCommand).
+ */
+@Injectable()
+export class HoldStore implements OnApplicationShutdown {
+  private readonly prefix: string;
+  private readonly retentionMs: number;
+
+  constructor(
+    @Inject(REDIS) private readonly redis: Redis,
+    private readonly config: AppConfig,
+  ) {
+    this.prefix = config.REDIS_KEY_PREFIX;
+    this.retentionMs = config.RESERVATION_RETENTION_MS;
+    for (const name of SCRIPTS) {
+      if (!(name in redis)) redis.defineCommand(`rp_${name}`, { numberOfKeys: 1, lua: loadScript(name) });
+    }
+  }
+
+  private async run<T>(name: ScriptName, pool: string, ...args: (string | number)[]): Promise<T> {
+    const keys = poolKeys(this.prefix, pool);
+    const call = (this.redis as unknown as Record<string, ScriptCall>)[`rp_${name}`];
+    try {
+      // KEYS[1] names the pool's slot (for Redis Cluster routing); the scripts build their keys from the base.
+      return (await call.call(this.redis, keys.free, keys.base, ...args)) as T;
+    } catch (err) {
+      throw isRedisOutage(err) ? DomainError.unavailable('redis', err) : err;
+    }
+  }
+
+  private async command<T>(fn: () => Promise<T>): Promise<T> {
+    try {
+      return await fn();
+    } catch (err) {
+      throw isRedisOutage(err) ? DomainError.unavailable('redis', err) : err;
+    }
+  }
+
+  async reserve(pool: string, req: ReserveRequest): Promise<ReserveResult> {
+    const reply = await this.run<string[]>(
+      'reserve',
+      pool,
+      req.reservationId,
+      req.owner,
+      req.count,
+      req.ttlMs,
+      req.maxHoldsPerOwner,
+      req.kind,
+      this.retentionMs,
+      req.idempotencyKey ?? '',
+      req.bodyHash ?? '',
+      this.config.IDEMPOTENCY_TTL_MS,
+      req.attributes && Object.keys(req.attributes).length > 0 ? JSON.stringify(req.attributes) : '',
+      req.valuePrefix ?? '',
+      req.groupAffinity ? '1' : '0',
+    );
+    switch (reply[0]) {
+      case 'ok':
+      case 'replay':
+        return { status: reply[0], reservation: parseReservation(reply) };
+      case 'quota':
+        return { status: 'quota', held: Number(reply[1]) };
+      default:
+        return { status: reply[0] as 'exhausted' | 'reused' };
+    }
+  }
+
+  async read(pool: string, reservationId: string): Promise<StoredReservation | null> {
+    const reply = await this.run<string[]>('read', pool, reservationId);
+    return reply[0] === 'ok' ? parseReservation(reply) : null;
+  }
+
+  async pin(pool: string, reservationId: string, selection: string[], windowMs: number): Promise<PinResult> {
+    const reply = await this.run<string[]>('pin', pool, reservationId, windowMs, selection.join(','));
+    switch (reply[0]) {
+      case 'pinned':
+      case 'confirmed':
+        return { status: reply[0], reservation: parseReservation(reply) };
+      case 'notin':
+      case 'lost':
+        return { status: reply[0], resourceId: reply[1] };
+      default:
+        return { status: reply[0] as 'missing' | 'closed' };
+    }
+  }
+
+  /** After the Postgres commit: marks `chosen` allocated and frees the rest of the reservation. */
+  async finish(pool: string, reservationId: string, chosen: CachedItem[], outcome: Record<string, unknown>): Promise<number> {
+    const selection = chosen.map((i) => i.id).sort(compareIds);
+    return this.run<number>(
+      'finish',
+      pool,
+      reservationId,
+      selection.join(','),
+      JSON.stringify(outcome),
+      TOMBSTONE_MS,
+      this.retentionMs,
+      ...chosen.map((i) => freeMember(i.v, i.id)),
+    );
+  }
+
+  async release(pool: string, reservationId: string): Promise<ReleaseResult> {
+    const reply = await this.run<string[]>('release', pool, reservationId, this.retentionMs);
+    if (reply[0] === 'released' || reply[0] === 'confirmed') return { status: reply[0], reservation: parseReservation(reply) };
+    return { status: reply[0] as 'busy' | 'missing' };
+  }
+
+  async extend(pool: string, reservationId: string, ttlMs: number): Promise<ExtendResult> {
+    const reply = await this.run<string[]>('extend', pool, reservationId, ttlMs, this.retentionMs);
+    if (reply[0] === 'extended') return { status: 'extended', reservation: parseReservation(reply) };
+    return { status: reply[0] as 'expired' | 'closed' | 'missing' };
+  }
+
+  async sweep(pool: string, batch: number, recheckMs: number): Promise<SweepResult> {
+    const reply = await this.run<(number | string)[]>('sweep', pool, batch, this.retentionMs, recheckMs);
+    return {
+      expiredReservations: Number(reply[0]),
+      freedItems: Number(reply[1]),
+      stalled: reply.slice(2).map(String),
+    };
+  }
+
+  /**
+   * Ends a reservation whose commit did not happen; `allocated` are ids Postgres shows allocated,
+   * `fresh` the items whose version moved on. False if the reservation is no longer in a commit.
+   */
+  async abort(pool: string, reservationId: string, allocated: string[], fresh: CachedItem[]): Promise<boolean> {
+    const reply = await this.run<number>(
+      'abort',
+      pool,
+      reservationId,
+      this.retentionMs,
+      TOMBSTONE_MS,
+      allocated.join(','),
+      ...fresh.map((i) => JSON.stringify(i)),
+    );
+    return reply >= 0;
+  }
+
+  /** Adds items that are free in Postgres to the free index; returns how many were not there yet. */
+  async addFree(pool: string, mode: 'rebuild' | 'release', items: CachedItem[]): Promise<number> {
+    let added = 0;
+    for (let i = 0; i < items.length; i += 500) {
+      const chunk = items.slice(i, i + 500).map((item) => JSON.stringify(item));
+      added += await this.run<number>('add_free', pool, mode, ...chunk);
+    }
+    return added;
+  }
+
+  async freeCount(pool: string): Promise<number> {
+    return this.command(() => this.redis.zcard(poolKeys(this.prefix, pool).free));
+  }
+
+  /** The reservation id holding this item, the allocation tombstone, or null. */
+  async holder(pool: string, resourceId: string): Promise<string | null> {
+    return this.command(() => this.redis.get(poolKeys(this.prefix, pool).hold(resourceId)));
+  }
+
+  async markerPresent(): Promise<boolean> {
+    return (await this.command(() => this.redis.exists(markerKey(this.prefix)))) === 1;
+  }
+
+  async setMarker(): Promise<void> {
+    await this.command(() => this.redis.set(markerKey(this.prefix), String(Date.now())));
+  }
+
+  /** Runs after the HTTP server has finished its in-flight requests. */
+  async onApplicationShutdown(): Promise<void> {
+    await this.redis.quit().catch(() => this.redis.disconnect());
+  }
+
+  async ping(): Promise<void> {
+    await this.command(() => this.redis.ping());
+  }
+}
+
+export function compareIds(a: string, b: string): number {
+  return a.length - b.length || (a < b ? -1 : a > b ? 1 : 0);
+}

@@ -1,0 +1,47 @@
+/**
+ * Redis key names. Every key of a pool carries the pool name in a {hash tag}, so a Redis Cluster keeps
+ * all of them in one slot and one Lua script may touch them atomically.
+ */
+export function poolBase(prefix: string, pool: string): string {
+  return `${prefix}{${pool}}:`;
+}
+
+export const poolKeys = (prefix: string, pool: string) => {
+  const base = poolBase(prefix, pool);
+  return {
+    base,
+    free: `${base}free`,
+    items: `${base}item`,
+    expiries: `${base}exp`,
+    hold: (resourceId: string) => `${base}h:${resourceId}`,
+    reservation: (reservationId: string) => `${base}r:${reservationId}`,
+  };
+};
+
+/** Present while Redis holds state rebuilt from Postgres; its absence means Redis was wiped. */
+export function markerKey(prefix: string): string {
+  return `${prefix}meta:rebuilt`;
+}
+
+/** The member an item has in the free index: value, NUL, id (sorted by value for prefix search). */
+export function freeMember(value: string, id: string): string {
+  return `${value}\0${id}`;
+}
+
+/** The value Redis keeps in a hold key once its item is allocated (a tombstone, not a reservation id). */
+export const ALLOCATED_TOMBSTONE = 'A';
+
+// Reservation and lease ids: "<pool>.<uuid v4>". The pool part routes the id to its pool's keys;
+// the 122 random bits of the UUID are what make it unguessable.
+const RESERVATION_ID = /^([a-z0-9][a-z0-9_-]{0,62})\.([0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12})$/;
+
+export function makeReservationId(pool: string, uuid: string): string {
+  return `${pool}.${uuid}`;
+}
+
+export function poolOfReservationId(id: string): string | null {
+  const match = RESERVATION_ID.exec(id);
+  return match ? match[1] : null;
+}
+
+export const RESERVATION_ID_PATTERN = RESERVATION_ID.source;

@@ -1,0 +1,108 @@
+-- Shared helpers, prepended to every script of this folder when it is loaded.
+--
+-- Key layout of a pool (every key carries the pool in a {hash tag}: one Redis Cluster slot a pool):
+--   <base>free           ZSET, score 0, member "<value>\0<id>": the free, unheld items (lex order = value prefix search)
+--   <base>item           HASH id -> item JSON {"id","v" value,"n" version,"g" groupKey,"a" attributes}, for every unallocated item
+--   <base>fa:<k>\0<v>    SET of free members whose attribute k equals v
+--   <base>fg:<group>     SET of free members of a task group
+--   <base>h:<id>         STRING, the hold: reservation id (PX = its expiry), or "A" for a short while after allocation
+--   <base>r:<rid>        HASH, the reservation (fields below)
+--   <base>exp            ZSET rid -> ms at which the sweeper must look at it (expiry, or end of a commit pin)
+--   <base>oh             HASH owner -> items held now (maxHoldsPerOwner)
+--   <base>og:<owner>     HASH group -> live leases of that owner in the group (task affinity)
+--   <base>idem:<key>     STRING "<rid>\n<body hash>", PX = idempotency TTL
+-- Reservation fields: o owner, k kind ("r" reservation, "l" lease), s state (held, confirming, confirmed,
+-- released, expired), i items (JSON array of item JSON), c created ms, e expires ms, x outcome JSON,
+-- sel confirmed selection (sorted ids, comma separated), cnt "1" while its items count in oh/og.
+
+local ALLOCATED = 'A'
+
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+local function member_of(item)
+  return item.v .. '\0' .. item.id
+end
+
+local function id_of(member)
+  local i = #member
+  while i > 0 and string.byte(member, i) ~= 0 do i = i - 1 end
+  return string.sub(member, i + 1)
+end
+
+local function has_group(item)
+  return item.g ~= nil and item.g ~= cjson.null
+end
+
+local function attr_key(base, k, v)
+  return base .. 'fa:' .. k .. '\0' .. v
+end
+
+-- Removes an item from every free index.
+local function unindex(base, item)
+  local m = member_of(item)
+  redis.call('ZREM', base .. 'free', m)
+  if type(item.a) == 'table' then
+    for k, v in pairs(item.a) do redis.call('SREM', attr_key(base, k, v), m) end
+  end
+  if has_group(item) then redis.call('SREM', base .. 'fg:' .. item.g, m) end
+end
+
+-- Puts an item into every free index; returns 1 if it was not free before.
+local function index(base, item)
+  local m = member_of(item)
+  local added = redis.call('ZADD', base .. 'free', 0, m)
+  if type(item.a) == 'table' then
+    for k, v in pairs(item.a) do redis.call('SADD', attr_key(base, k, v), m) end
+  end
+  if has_group(item) then redis.call('SADD', base .. 'fg:' .. item.g, m) end
+  return added
+end
+
+local function decode_items(json)
+  if not json then return {} end
+  return cjson.decode(json)
+end
+
+-- Adjusts the per-owner counters of a reservation's items (delta +1 or -1 per item).
+local function count_items(base, owner, kind, items, delta)
+  if #items == 0 then return end
+  local left = redis.call('HINCRBY', base .. 'oh', owner, delta * #items)
+  if left <= 0 then redis.call('HDEL', base .. 'oh', owner) end
+  if kind == 'l' then
+    local og = base .. 'og:' .. owner
+    for _, item in ipairs(items) do
+      if has_group(item) then
+        local n = redis.call('HINCRBY', og, item.g, delta)
+        if n <= 0 then redis.call('HDEL', og, item.g) end
+      end
+    end
+  end
+end
+
+-- Stops counting a reservation's items against its owner, once.
+local function uncount(base, rkey, owner, kind, items)
+  if redis.call('HGET', rkey, 'cnt') == '1' then
+    count_items(base, owner, kind, items, -1)
+    redis.call('HSET', rkey, 'cnt', '0')
+  end
+end
+
+-- Drops the holds this reservation still has and returns those items to the free index.
+local function free_items(base, rid, items)
+  local n = 0
+  for _, item in ipairs(items) do
+    local hkey = base .. 'h:' .. item.id
+    local holder = redis.call('GET', hkey)
+    if holder == rid then redis.call('DEL', hkey) end
+    if holder == rid or not holder then n = n + index(base, item) end
+  end
+  return n
+end
+
+local function reservation_reply(status, rid, rkey, now)
+  local f = redis.call('HMGET', rkey, 's', 'o', 'k', 'c', 'e', 'i', 'x')
+  return { status, rid, f[1] or '', f[2] or '', f[3] or '', f[4] or '', f[5] or '', f[6] or '[]', f[7] or '', tostring(now) }
+end

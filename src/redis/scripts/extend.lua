@@ -1,0 +1,19 @@
+-- extend: extend a live reservation or heartbeat a lease: expiresAt = now + ttl.
+-- ARGV: 1 base, 2 rid, 3 ttl ms (already capped by the pool's maxHoldTtlMs), 4 retention ms
+-- Returns: {"extended", ...reservation} | {"expired"} | {"closed"} | {"missing"}
+local base, rid, ttl, retention = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
+local rkey = base .. 'r:' .. rid
+local f = redis.call('HMGET', rkey, 's', 'e', 'i')
+local now = now_ms()
+if not f[1] then return { 'missing' } end
+if f[1] == 'expired' or (f[1] == 'held' and tonumber(f[2]) <= now) then return { 'expired' } end
+if f[1] ~= 'held' then return { 'closed' } end
+for _, item in ipairs(decode_items(f[3])) do
+  local hkey = base .. 'h:' .. item.id
+  if redis.call('GET', hkey) ~= rid then return { 'expired' } end
+  redis.call('PEXPIRE', hkey, ttl)
+end
+redis.call('HSET', rkey, 'e', now + ttl)
+redis.call('ZADD', base .. 'exp', now + ttl, rid)
+redis.call('PEXPIRE', rkey, ttl + retention)
+return reservation_reply('extended', rid, rkey, now)

@@ -1,0 +1,37 @@
+-- finish: last step of confirm/complete, after the Postgres commit. Marks the chosen items allocated
+-- (a short "A" tombstone hold keeps a concurrent rebuild from re-adding them), returns every other item
+-- of the reservation to the free index, and closes the reservation.
+-- ARGV: 1 base, 2 rid, 3 selection (ids, comma separated, sorted), 4 outcome JSON, 5 tombstone ms,
+--       6 retention ms, 7.. the chosen items' free-index members (so this works even if the reservation is gone)
+-- Returns: number of items returned to the free index
+local base, rid, selection, outcome = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local tombstone, retention = tonumber(ARGV[5]), tonumber(ARGV[6])
+local chosen = {}
+for i = 7, #ARGV do
+  local m = ARGV[i]
+  local id = id_of(m)
+  chosen[id] = true
+  redis.call('SET', base .. 'h:' .. id, ALLOCATED, 'PX', tombstone)
+  redis.call('HDEL', base .. 'item', id)
+  redis.call('ZREM', base .. 'free', m)
+end
+
+local rkey = base .. 'r:' .. rid
+local freed = 0
+local state = redis.call('HGET', rkey, 's')
+if state then
+  local owner, kind = redis.call('HGET', rkey, 'o'), redis.call('HGET', rkey, 'k')
+  local items = decode_items(redis.call('HGET', rkey, 'i'))
+  local rest = {}
+  for _, item in ipairs(items) do
+    if chosen[item.id] then unindex(base, item) else rest[#rest + 1] = item end
+  end
+  if state ~= 'confirmed' then
+    uncount(base, rkey, owner, kind, items)
+    freed = free_items(base, rid, rest)
+  end
+  redis.call('HSET', rkey, 's', 'confirmed', 'x', outcome, 'sel', selection)
+  redis.call('PEXPIRE', rkey, retention)
+end
+redis.call('ZREM', base .. 'exp', rid)
+return freed

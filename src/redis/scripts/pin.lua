@@ -1,0 +1,43 @@
+-- pin: first step of confirm/complete. Checks that every selected item is still this reservation's
+-- (re-taking, after expiry, an item nobody else took) and pins those holds for the commit window.
+-- ARGV: 1 base, 2 rid, 3 commit window ms, 4 selection (resource ids, comma separated, sorted)
+-- Returns: {"pinned", rid, state, owner, kind, createdMs, expiresMs, itemsJson, outcomeJson, nowMs}
+--          | {"confirmed", ...same} (already committed) | {"missing"} | {"closed"} | {"notin", id} | {"lost", id}
+local base, rid, window, selection = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
+local rkey = base .. 'r:' .. rid
+local state = redis.call('HGET', rkey, 's')
+local now = now_ms()
+if not state then return { 'missing' } end
+if state == 'confirmed' then return reservation_reply('confirmed', rid, rkey, now) end
+if state == 'released' then return { 'closed' } end
+
+local items = decode_items(redis.call('HGET', rkey, 'i'))
+local by_id = {}
+for _, item in ipairs(items) do by_id[item.id] = item end
+local selected = {}
+for id in string.gmatch(selection, '[^,]+') do
+  if not by_id[id] then return { 'notin', id } end
+  selected[#selected + 1] = by_id[id]
+end
+
+-- Check everything before changing anything.
+for _, item in ipairs(selected) do
+  local holder = redis.call('GET', base .. 'h:' .. item.id)
+  if holder and holder ~= rid then return { 'lost', item.id } end
+end
+
+for _, item in ipairs(selected) do
+  local hkey = base .. 'h:' .. item.id
+  if redis.call('GET', hkey) == rid then
+    if redis.call('PTTL', hkey) < window then redis.call('PEXPIRE', hkey, window) end
+  else
+    -- The hold expired. Nobody else holds the item: take it back (out of the free index if the
+    -- sweeper already returned it); the version check in Postgres decides whether it is still ours.
+    unindex(base, item)
+    redis.call('SET', hkey, rid, 'PX', window)
+  end
+end
+redis.call('HSET', rkey, 's', 'confirming', 'sel', selection)
+redis.call('ZADD', base .. 'exp', now + window, rid)
+redis.call('PEXPIRE', rkey, window + tonumber(redis.call('PTTL', rkey)))
+return reservation_reply('pinned', rid, rkey, now)

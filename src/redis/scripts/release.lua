@@ -1,0 +1,22 @@
+-- release: DELETE /v1/reservations/{id} and task abandon. Returns the reservation's held items to the
+-- free index at once. Idempotent.
+-- ARGV: 1 base, 2 rid, 3 retention ms
+-- Returns: {"released", ...reservation} | {"confirmed", ...reservation} | {"busy"} (a confirm is committing) | {"missing"}
+local base, rid, retention = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local rkey = base .. 'r:' .. rid
+local state = redis.call('HGET', rkey, 's')
+local now = now_ms()
+if not state then return { 'missing' } end
+if state == 'confirmed' then return reservation_reply('confirmed', rid, rkey, now) end
+if state == 'confirming' then return { 'busy' } end
+if state ~= 'released' then
+  local items = decode_items(redis.call('HGET', rkey, 'i'))
+  if state == 'held' then
+    uncount(base, rkey, redis.call('HGET', rkey, 'o'), redis.call('HGET', rkey, 'k'), items)
+    free_items(base, rid, items)
+  end
+  redis.call('HSET', rkey, 's', 'released')
+  redis.call('PEXPIRE', rkey, retention)
+  redis.call('ZREM', base .. 'exp', rid)
+end
+return reservation_reply('released', rid, rkey, now)

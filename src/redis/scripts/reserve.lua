@@ -1,0 +1,108 @@
+-- reserve: holds `count` free items for one owner, all or nothing, and records the reservation.
+-- KEYS: none (every key is built from ARGV[1], the pool's key base with its {hash tag})
+-- ARGV: 1 base, 2 rid, 3 owner, 4 count, 5 ttlMs, 6 maxHoldsPerOwner (0 = none), 7 kind ("r"|"l"),
+--       8 retentionMs, 9 idempotency key ("" = none), 10 body hash, 11 idempotency ttlMs,
+--       12 attribute filter as JSON object ("" = none), 13 value prefix ("" = none), 14 group affinity ("1"|"0")
+-- Returns: {"ok"|"replay", rid, state, owner, kind, createdMs, expiresMs, itemsJson, outcomeJson, nowMs}
+--          or {"exhausted"} | {"quota", heldNow} | {"reused"}
+local base, rid, owner = ARGV[1], ARGV[2], ARGV[3]
+local count, ttl, max_holds = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
+local kind, retention = ARGV[7], tonumber(ARGV[8])
+local idem_key, body_hash, idem_ttl = ARGV[9], ARGV[10], tonumber(ARGV[11])
+local attr_json, prefix, affinity = ARGV[12], ARGV[13], ARGV[14] == '1'
+local now = now_ms()
+
+if idem_key ~= '' then
+  local prev = redis.call('GET', base .. 'idem:' .. idem_key)
+  if prev then
+    local sep = string.find(prev, '\n', 1, true)
+    if string.sub(prev, sep + 1) ~= body_hash then return { 'reused' } end
+    local prid = string.sub(prev, 1, sep - 1)
+    local prkey = base .. 'r:' .. prid
+    if redis.call('EXISTS', prkey) == 1 then return reservation_reply('replay', prid, prkey, now) end
+  end
+end
+
+if max_holds > 0 then
+  local held = tonumber(redis.call('HGET', base .. 'oh', owner) or '0')
+  if held + count > max_holds then return { 'quota', tostring(held) } end
+end
+
+local free = base .. 'free'
+local chosen, seen = {}, {}
+
+-- Takes a candidate member out of the free index if it is still free and unheld; repairs the index if not.
+local function consider(m)
+  if seen[m] or #chosen >= count then return end
+  seen[m] = true
+  local id = id_of(m)
+  local json = redis.call('HGET', base .. 'item', id)
+  if not json or redis.call('EXISTS', base .. 'h:' .. id) == 1 then
+    redis.call('ZREM', free, m) -- an index entry without a free item behind it: drop it
+    return
+  end
+  local item = cjson.decode(json)
+  unindex(base, item)
+  chosen[#chosen + 1] = { json = json, item = item }
+end
+
+if attr_json ~= '' then
+  local attrs = cjson.decode(attr_json)
+  local keys = {}
+  for k, v in pairs(attrs) do keys[#keys + 1] = attr_key(base, k, v) end
+  local candidates
+  if #keys == 1 and prefix == '' then
+    candidates = redis.call('SRANDMEMBER', keys[1], count * 2)
+  else
+    candidates = redis.call('SINTER', unpack(keys))
+  end
+  for _, m in ipairs(candidates) do
+    if #chosen >= count then break end
+    if prefix == '' or string.sub(m, 1, #prefix) == prefix then consider(m) end
+  end
+elseif prefix ~= '' then
+  -- Members sort by value, so the items with this prefix form one lex range. UTF-8 never holds byte 0xFF.
+  -- Every member considered leaves the index, so the next page starts at offset 0 again.
+  while #chosen < count do
+    local page = redis.call('ZRANGEBYLEX', free, '[' .. prefix, '(' .. prefix .. '\255', 'LIMIT', 0, count - #chosen)
+    if #page == 0 then break end
+    for _, m in ipairs(page) do consider(m) end
+  end
+else
+  if affinity then
+    -- A reviewer gets a task from a group it already leases in before any other group.
+    local groups = redis.call('HKEYS', base .. 'og:' .. owner)
+    for _, g in ipairs(groups) do
+      if #chosen >= count then break end
+      for _, m in ipairs(redis.call('SRANDMEMBER', base .. 'fg:' .. g, count)) do consider(m) end
+    end
+  end
+  while #chosen < count do
+    local picks = redis.call('ZRANDMEMBER', free, count - #chosen)
+    if #picks == 0 then break end
+    for _, m in ipairs(picks) do consider(m) end
+  end
+end
+
+if #chosen < count then
+  for _, c in ipairs(chosen) do index(base, c.item) end
+  return { 'exhausted' }
+end
+
+local items, jsons = {}, {}
+for i, c in ipairs(chosen) do
+  redis.call('SET', base .. 'h:' .. c.item.id, rid, 'PX', ttl)
+  items[i] = c.item
+  jsons[i] = c.json
+end
+
+local rkey = base .. 'r:' .. rid
+redis.call('HSET', rkey, 'o', owner, 'k', kind, 's', 'held', 'i', '[' .. table.concat(jsons, ',') .. ']',
+  'c', now, 'e', now + ttl, 'cnt', '1')
+redis.call('PEXPIRE', rkey, ttl + retention)
+redis.call('ZADD', base .. 'exp', now + ttl, rid)
+count_items(base, owner, kind, items, 1)
+if idem_key ~= '' then
+  redis.call('SET', base .. 'idem:' .. idem_key, rid .. '\n' .. body_hash, 'PX', idem_ttl)
+end
+return reservation_reply('ok', rid, rkey, now)

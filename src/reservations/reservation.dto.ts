@@ -1,0 +1,168 @@
+import { ApiProperty, ApiPropertyOptional } from '@nestjs/swagger';
+import { Type } from 'class-transformer';
+import {
+  ArrayMaxSize,
+  ArrayMinSize,
+  ArrayUnique,
+  IsArray,
+  IsInt,
+  IsOptional,
+  IsString,
+  Length,
+  Matches,
+  Max,
+  Min,
+  ValidateNested,
+} from 'class-validator';
+import { IsFlatStringRecord, RESOURCE_ID } from '../common/validators.js';
+import { MAX_TTL_MS } from '../pools/pool.dto.js';
+import { RESERVATION_ID_PATTERN } from '../redis/keys.js';
+
+export const RESERVATION_STATES = ['held', 'confirmed', 'released', 'expired'] as const;
+export type ReservationState = (typeof RESERVATION_STATES)[number];
+
+export class ReservationParams {
+  @ApiProperty({ description: 'Reservation id, as returned by reserve', example: 'phone-bj.9b2d7c1e-1f7a-4c55-9a43-2b0f6f1d2e11' })
+  @Matches(new RegExp(RESERVATION_ID_PATTERN), { message: 'id is not a reservation id' })
+  id: string;
+}
+
+export class ReservationFilterDto {
+  @ApiPropertyOptional({
+    description: 'Only items whose attributes include all of these key/value pairs',
+    type: 'object',
+    additionalProperties: { type: 'string' },
+    example: { city: 'bj' },
+  })
+  @IsOptional()
+  @IsFlatStringRecord()
+  attributes?: Record<string, string>;
+
+  @ApiPropertyOptional({ description: 'Only items whose value starts with this prefix', example: '138', maxLength: 256 })
+  @IsOptional()
+  @IsString()
+  @Length(1, 256)
+  valuePrefix?: string;
+}
+
+export class CreateReservationDto {
+  @ApiProperty({ description: 'Who the items are held for', minLength: 1, maxLength: 128, example: 'user-123' })
+  @IsString()
+  @Length(1, 128)
+  owner: string;
+
+  @ApiPropertyOptional({ description: 'How many items to hold, all or nothing', default: 1, minimum: 1, maximum: 100 })
+  @IsOptional()
+  @IsInt()
+  @Min(1)
+  @Max(100)
+  count?: number;
+
+  @ApiPropertyOptional({ description: "Hold time, ms: 1000 to the pool's maxHoldTtlMs; default the pool's holdTtlMs", minimum: 1000 })
+  @IsOptional()
+  @IsInt()
+  @Min(1000)
+  @Max(MAX_TTL_MS)
+  ttlMs?: number;
+
+  @ApiPropertyOptional({
+    description: 'How long to wait for free items, ms (0-30000). Only 0 is supported so far: a value above 0 is refused with 400.',
+    default: 0,
+    minimum: 0,
+    maximum: 30_000,
+  })
+  @IsOptional()
+  @IsInt()
+  @Min(0)
+  @Max(30_000)
+  waitMs?: number;
+
+  @ApiPropertyOptional({ description: 'Restrict the items that may be held', type: ReservationFilterDto })
+  @IsOptional()
+  @ValidateNested()
+  @Type(() => ReservationFilterDto)
+  filter?: ReservationFilterDto;
+}
+
+export class ReservationItemDto {
+  @ApiProperty({ description: 'Resource id', example: '5780' })
+  resourceId: string;
+
+  @ApiProperty({ description: 'The item', example: '13800138000' })
+  value: string;
+
+  @ApiProperty({ description: 'Row version the hold was taken at; confirm commits only if it is unchanged' })
+  version: number;
+
+  @ApiProperty({ description: 'Attributes of the item', type: 'object', additionalProperties: { type: 'string' } })
+  attributes: Record<string, string>;
+}
+
+export class AllocatedItemDto {
+  @ApiProperty({ description: 'Resource id' })
+  resourceId: string;
+
+  @ApiProperty({ description: 'The item' })
+  value: string;
+
+  @ApiProperty({ description: 'Row version after the allocation' })
+  version: number;
+}
+
+export class ReservationDto {
+  @ApiProperty({ description: 'Reservation id (opaque, unguessable)' })
+  id: string;
+
+  @ApiProperty({ description: 'Pool name' })
+  pool: string;
+
+  @ApiProperty({ description: 'Who the items are held for' })
+  owner: string;
+
+  @ApiProperty({ description: 'held, confirmed, released or expired', enum: RESERVATION_STATES })
+  state: ReservationState;
+
+  @ApiProperty({ description: 'The items held', type: [ReservationItemDto] })
+  items: ReservationItemDto[];
+
+  @ApiProperty({ description: 'When the hold ends unless confirmed or extended (ISO-8601 UTC, Redis server clock)', format: 'date-time' })
+  expiresAt: string;
+
+  @ApiPropertyOptional({ description: 'After confirm: the items allocated to the owner', type: [AllocatedItemDto] })
+  allocated?: AllocatedItemDto[];
+
+  @ApiPropertyOptional({ description: 'After confirm: the ids of the items returned to the pool', type: [String] })
+  released?: string[];
+}
+
+export class ConfirmDto {
+  @ApiProperty({ description: 'The ids of the items to allocate (1-100, each held by this reservation)', type: [String], example: ['5780'] })
+  @IsArray()
+  @ArrayMinSize(1)
+  @ArrayMaxSize(100)
+  @ArrayUnique()
+  @Matches(RESOURCE_ID, { each: true, message: 'each value in resourceIds must be a resource id' })
+  resourceIds: string[];
+}
+
+export class ConfirmResultDto {
+  @ApiProperty({ description: 'Reservation id' })
+  id: string;
+
+  @ApiProperty({ description: 'Always `confirmed`', enum: ['confirmed'] })
+  state: 'confirmed';
+
+  @ApiProperty({ description: 'Items allocated to the owner, with their new version', type: [AllocatedItemDto] })
+  allocated: AllocatedItemDto[];
+
+  @ApiProperty({ description: 'Ids of the reservation items returned to the pool', type: [String] })
+  released: string[];
+}
+
+export class ExtendDto {
+  @ApiProperty({ description: "New hold time from now, ms (capped by the pool's maxHoldTtlMs)", minimum: 1000 })
+  @IsInt()
+  @Min(1000)
+  @Max(MAX_TTL_MS)
+  ttlMs: number;
+}

@@ -1,0 +1,78 @@
+import { Body, Controller, Delete, Get, Headers, HttpCode, Param, Post, Res } from '@nestjs/common';
+import { ApiCreatedResponse, ApiHeader, ApiOkResponse, ApiOperation, ApiTags } from '@nestjs/swagger';
+import type { FastifyReply } from 'fastify';
+import { ApiErrors } from '../common/api-errors.decorator.js';
+import { ErrorCode } from '../common/errors.js';
+import { PoolParams } from '../pools/pool.dto.js';
+import { ConfirmDto, ConfirmResultDto, CreateReservationDto, ExtendDto, ReservationDto, ReservationParams } from './reservation.dto.js';
+import { ReservationsService } from './reservations.service.js';
+
+@ApiTags('reservations')
+@Controller()
+export class ReservationsController {
+  constructor(private readonly reservations: ReservationsService) {}
+
+  @Post('v1/pools/:pool/reservations')
+  @ApiOperation({ summary: 'Hold `count` free items for an owner, all or nothing' })
+  @ApiHeader({ name: 'Idempotency-Key', required: false, description: 'Repeat the call with the same key and body to get the same reservation (200)' })
+  @ApiCreatedResponse({ type: ReservationDto, description: 'Items held' })
+  @ApiOkResponse({ type: ReservationDto, description: 'Replay of an earlier call with the same Idempotency-Key' })
+  @ApiErrors(
+    ErrorCode.VALIDATION_FAILED,
+    ErrorCode.POOL_NOT_FOUND,
+    ErrorCode.POOL_EXHAUSTED,
+    ErrorCode.IDEMPOTENCY_KEY_REUSED,
+    ErrorCode.OWNER_QUOTA_EXCEEDED,
+  )
+  async reserve(
+    @Param() params: PoolParams,
+    @Body() dto: CreateReservationDto,
+    @Headers('idempotency-key') idempotencyKey: string | undefined,
+    @Res({ passthrough: true }) reply: FastifyReply,
+  ): Promise<ReservationDto> {
+    const answer = await this.reservations.reserve(params.pool, dto, idempotencyKey);
+    void reply.status(answer.created ? 201 : 200);
+    return answer.reservation;
+  }
+
+  @Get('v1/reservations/:id')
+  @ApiOperation({ summary: 'A reservation and its state' })
+  @ApiOkResponse({ type: ReservationDto })
+  @ApiErrors(ErrorCode.VALIDATION_FAILED, ErrorCode.RESERVATION_NOT_FOUND)
+  get(@Param() params: ReservationParams): Promise<ReservationDto> {
+    return this.reservations.get(params.id);
+  }
+
+  @Post('v1/reservations/:id/extend')
+  @HttpCode(200)
+  @ApiOperation({ summary: "Extend a live hold: expiresAt = now + ttlMs, capped by the pool's maxHoldTtlMs" })
+  @ApiOkResponse({ type: ReservationDto })
+  @ApiErrors(ErrorCode.VALIDATION_FAILED, ErrorCode.RESERVATION_NOT_FOUND, ErrorCode.HOLD_EXPIRED, ErrorCode.RESERVATION_CLOSED)
+  extend(@Param() params: ReservationParams, @Body() dto: ExtendDto): Promise<ReservationDto> {
+    return this.reservations.extend(params.id, dto.ttlMs);
+  }
+
+  @Post('v1/reservations/:id/confirm')
+  @HttpCode(200)
+  @ApiOperation({ summary: 'Allocate the chosen items to the owner and free the rest (idempotent)' })
+  @ApiOkResponse({ type: ConfirmResultDto })
+  @ApiErrors(
+    ErrorCode.VALIDATION_FAILED,
+    ErrorCode.RESERVATION_NOT_FOUND,
+    ErrorCode.HOLD_LOST,
+    ErrorCode.HOLD_EXPIRED,
+    ErrorCode.RESERVATION_CLOSED,
+    ErrorCode.NOT_IN_RESERVATION,
+  )
+  confirm(@Param() params: ReservationParams, @Body() dto: ConfirmDto): Promise<ConfirmResultDto> {
+    return this.reservations.confirm(params.id, dto.resourceIds);
+  }
+
+  @Delete('v1/reservations/:id')
+  @ApiOperation({ summary: 'Release every held item of the reservation at once (idempotent)' })
+  @ApiOkResponse({ type: ReservationDto })
+  @ApiErrors(ErrorCode.VALIDATION_FAILED, ErrorCode.RESERVATION_NOT_FOUND, ErrorCode.RESERVATION_CLOSED)
+  release(@Param() params: ReservationParams): Promise<ReservationDto> {
+    return this.reservations.release(params.id);
+  }
+}

@@ -1,0 +1,68 @@
+import { Injectable, Logger } from '@nestjs/common';
+import { randomUUID } from 'node:crypto';
+import { JobMutexRepository } from '../database/job-mutex.repository.js';
+import { ResourceRepository } from '../database/resource.repository.js';
+import { MetricsService } from '../metrics/metrics.service.js';
+import { PoolCatalog } from '../pools/pool-catalog.service.js';
+import { toCachedItem } from '../pools/pools.service.js';
+import { HoldStore, TOMBSTONE_MS } from '../redis/hold-store.repository.js';
+
+const JOB = 'rebuild';
+const LEASE_MS = 30_000;
+const PAGE = 5000;
+/** A page older than this is read again: an item allocated after the read is protected by its tombstone only that long. */
+const PAGE_MAX_AGE_MS = TOMBSTONE_MS / 6;
+
+export type RebuildReason = 'startup' | 'wiped' | 'periodic';
+
+/**
+ * Rebuilds the Redis free index from Postgres, the source of truth: every free row that is not under a
+ * live hold goes back into the index. One instance at a time, elected by the t_job_mutex version CAS.
+ */
+@Injectable()
+export class RebuildService {
+  private readonly logger = new Logger(RebuildService.name);
+  readonly instanceId = randomUUID();
+
+  constructor(
+    private readonly mutex: JobMutexRepository,
+    private readonly resources: ResourceRepository,
+    private readonly catalog: PoolCatalog,
+    private readonly holds: HoldStore,
+    private readonly metrics: MetricsService,
+  ) {}
+
+  /** Returns the number of items added to the index, or null when another instance holds the job. */
+  async rebuild(reason: RebuildReason): Promise<number | null> {
+    if (!(await this.mutex.tryAcquire(JOB, this.instanceId, LEASE_MS))) return null;
+    const started = Date.now();
+    try {
+      let added = 0;
+      for (const pool of await this.catalog.all()) {
+        added += await this.rebuildPool(pool.id, pool.name);
+        await this.mutex.tryAcquire(JOB, this.instanceId, LEASE_MS); // renew the lease between pools
+      }
+      await this.holds.setMarker();
+      this.metrics.rebuilds.inc({ reason });
+      if (added > 0 || reason !== 'periodic') {
+        this.logger.log(`rebuild (${reason}): ${added} free items re-indexed in ${Date.now() - started} ms`);
+      }
+      return added;
+    } finally {
+      await this.mutex.release(JOB, this.instanceId).catch(() => undefined);
+    }
+  }
+
+  private async rebuildPool(poolId: string, pool: string): Promise<number> {
+    let added = 0;
+    let after = '0';
+    for (;;) {
+      const readAt = Date.now();
+      const rows = await this.resources.freePage(poolId, after, PAGE);
+      if (rows.length === 0) return added;
+      if (Date.now() - readAt > PAGE_MAX_AGE_MS) continue; // too slow to trust: read the page again
+      added += await this.holds.addFree(pool, 'rebuild', rows.map(toCachedItem));
+      after = rows[rows.length - 1].id;
+    }
+  }
+}

@@ -1,0 +1,108 @@
+import { Injectable, Logger, OnApplicationBootstrap, OnModuleDestroy } from '@nestjs/common';
+import { AppConfig } from '../config/app-config.js';
+import { DomainError, ErrorCode } from '../common/errors.js';
+import { MetricsService } from '../metrics/metrics.service.js';
+import { PoolCatalog } from '../pools/pool-catalog.service.js';
+import { HoldStore } from '../redis/hold-store.repository.js';
+import { CommitService } from '../reservations/commit.service.js';
+import { RebuildService } from './rebuild.service.js';
+
+const SWEEP_BATCH = 500;
+const POOL_LIST_REFRESH_MS = 2000;
+const WIPE_CHECK_MIN_GAP_MS = 500;
+
+/**
+ * Runs on every instance: returns expired holds to the pool (one Lua script per pool per tick), hands
+ * commits stuck past their window to the commit service, and triggers the rebuild when Redis was wiped
+ * and periodically.
+ */
+@Injectable()
+export class SweeperService implements OnApplicationBootstrap, OnModuleDestroy {
+  private readonly logger = new Logger(SweeperService.name);
+  private timer: NodeJS.Timeout | undefined;
+  private stopped = false;
+  private running: Promise<void> | undefined;
+  private lastPoolRefresh = 0;
+  private lastRebuild = 0;
+  private lastWipeCheck = 0;
+  private lastWarning = '';
+
+  constructor(
+    private readonly config: AppConfig,
+    private readonly holds: HoldStore,
+    private readonly catalog: PoolCatalog,
+    private readonly rebuilder: RebuildService,
+    private readonly committer: CommitService,
+    private readonly metrics: MetricsService,
+  ) {}
+
+  async onApplicationBootstrap(): Promise<void> {
+    // Start-up: bring Redis in line with Postgres before serving (another instance may be doing it).
+    await this.rebuildIfNeeded(true).catch((err: unknown) => this.warn('start-up rebuild', err));
+    this.schedule();
+  }
+
+  /** Stops before the HTTP server and the connections close (Nest runs onModuleDestroy first). */
+  async onModuleDestroy(): Promise<void> {
+    this.stopped = true;
+    if (this.timer) clearTimeout(this.timer);
+    await this.running;
+  }
+
+  private schedule(): void {
+    if (this.stopped) return;
+    this.timer = setTimeout(() => {
+      this.running = this.tick().finally(() => {
+        this.running = undefined;
+        this.schedule();
+      });
+    }, this.config.SWEEP_INTERVAL_MS);
+    this.timer.unref();
+  }
+
+  /** One pass: wiped-Redis check, then every pool's expired holds. */
+  async tick(): Promise<void> {
+    try {
+      await this.rebuildIfNeeded(false);
+      const now = Date.now();
+      if (now - this.lastPoolRefresh > POOL_LIST_REFRESH_MS) {
+        await this.catalog.all();
+        this.lastPoolRefresh = now;
+      }
+      for (const pool of this.catalog.known()) {
+        const swept = await this.holds.sweep(pool.name, SWEEP_BATCH, this.config.COMMIT_WINDOW_MS);
+        if (swept.expiredReservations > 0) {
+          this.metrics.expiredHolds.inc({ pool: pool.name }, swept.expiredReservations);
+          this.logger.debug(`${pool.name}: ${swept.expiredReservations} expired holds, ${swept.freedItems} items freed`);
+        }
+        for (const rid of swept.stalled) {
+          const outcome = await this.committer.recoverStalled(pool, rid);
+          this.logger.warn(`${pool.name}: commit of ${rid} stalled past its window: ${outcome}`);
+        }
+      }
+      this.lastWarning = '';
+    } catch (err) {
+      this.warn('sweep', err);
+    }
+  }
+
+  private async rebuildIfNeeded(startup: boolean): Promise<void> {
+    const now = Date.now();
+    const periodic = this.config.RECONCILE_INTERVAL_MS > 0 && now - this.lastRebuild > this.config.RECONCILE_INTERVAL_MS;
+    if (!startup && !periodic && now - this.lastWipeCheck < WIPE_CHECK_MIN_GAP_MS) return;
+    this.lastWipeCheck = now;
+    const wiped = !(await this.holds.markerPresent());
+    if (!startup && !wiped && !periodic) return;
+    const reason = wiped ? 'wiped' : startup ? 'startup' : 'periodic';
+    const added = await this.rebuilder.rebuild(reason);
+    // Another instance holding the job counts as done for the periodic run, not for a wipe.
+    if (added !== null || !wiped) this.lastRebuild = now;
+  }
+
+  private warn(what: string, err: unknown): void {
+    const message =
+      err instanceof DomainError && err.code === ErrorCode.DEPENDENCY_UNAVAILABLE ? err.message : String((err as Error)?.stack ?? err);
+    if (message !== this.lastWarning) this.logger.warn(`${what} failed: ${message}`);
+    this.lastWarning = message;
+  }
+}

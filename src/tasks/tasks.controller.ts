@@ -1,0 +1,56 @@
+import { Body, Controller, HttpCode, Param, Post, Res } from '@nestjs/common';
+import { ApiNoContentResponse, ApiOkResponse, ApiOperation, ApiTags } from '@nestjs/swagger';
+import type { FastifyReply } from 'fastify';
+import { ApiErrors } from '../common/api-errors.decorator.js';
+import { ErrorCode } from '../common/errors.js';
+import { PoolParams } from '../pools/pool.dto.js';
+import { HeartbeatDto, HeartbeatResultDto, LeaseParams, NextTaskDto, TaskLeaseDto, TaskStateDto } from './task.dto.js';
+import { TasksService } from './tasks.service.js';
+
+@ApiTags('tasks')
+@Controller()
+export class TasksController {
+  constructor(private readonly tasks: TasksService) {}
+
+  @Post('v1/pools/:pool/tasks/next')
+  @ApiOperation({ summary: 'Lease the next free task (a task from a group the reviewer already leases in comes first)' })
+  @ApiOkResponse({ type: TaskLeaseDto })
+  @ApiNoContentResponse({ description: 'No task is free' })
+  @ApiErrors(ErrorCode.VALIDATION_FAILED, ErrorCode.POOL_NOT_FOUND, ErrorCode.OWNER_QUOTA_EXCEEDED)
+  async next(
+    @Param() params: PoolParams,
+    @Body() dto: NextTaskDto,
+    @Res({ passthrough: true }) reply: FastifyReply,
+  ): Promise<TaskLeaseDto | undefined> {
+    const lease = await this.tasks.next(params.pool, dto);
+    void reply.status(lease ? 200 : 204);
+    return lease ?? undefined;
+  }
+
+  @Post('v1/tasks/:leaseId/heartbeat')
+  @HttpCode(200)
+  @ApiOperation({ summary: 'Extend a live lease' })
+  @ApiOkResponse({ type: HeartbeatResultDto })
+  @ApiErrors(ErrorCode.VALIDATION_FAILED, ErrorCode.RESERVATION_NOT_FOUND, ErrorCode.HOLD_EXPIRED, ErrorCode.RESERVATION_CLOSED)
+  heartbeat(@Param() params: LeaseParams, @Body() dto: HeartbeatDto): Promise<HeartbeatResultDto> {
+    return this.tasks.heartbeat(params.leaseId, dto.leaseMs);
+  }
+
+  @Post('v1/tasks/:leaseId/complete')
+  @HttpCode(200)
+  @ApiOperation({ summary: 'Allocate the task to the reviewer (idempotent)' })
+  @ApiOkResponse({ type: TaskStateDto })
+  @ApiErrors(ErrorCode.VALIDATION_FAILED, ErrorCode.RESERVATION_NOT_FOUND, ErrorCode.HOLD_LOST, ErrorCode.RESERVATION_CLOSED)
+  complete(@Param() params: LeaseParams): Promise<TaskStateDto> {
+    return this.tasks.complete(params.leaseId);
+  }
+
+  @Post('v1/tasks/:leaseId/abandon')
+  @HttpCode(200)
+  @ApiOperation({ summary: 'Give the task back: it is free again at once' })
+  @ApiOkResponse({ type: TaskStateDto })
+  @ApiErrors(ErrorCode.VALIDATION_FAILED, ErrorCode.RESERVATION_NOT_FOUND, ErrorCode.RESERVATION_CLOSED)
+  abandon(@Param() params: LeaseParams): Promise<TaskStateDto> {
+    return this.tasks.abandon(params.leaseId);
+  }
+}

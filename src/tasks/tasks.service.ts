@@ -1,0 +1,101 @@
+import { Injectable } from '@nestjs/common';
+import { randomUUID } from 'node:crypto';
+import { DomainError, ErrorCode } from '../common/errors.js';
+import { PoolEntity } from '../database/entities.js';
+import { MetricsService } from '../metrics/metrics.service.js';
+import { PoolCatalog } from '../pools/pool-catalog.service.js';
+import { HoldStore, StoredReservation } from '../redis/hold-store.repository.js';
+import { makeReservationId } from '../redis/keys.js';
+import { CommitService } from '../reservations/commit.service.js';
+import { ReservationsService, holdTtl, poolOf } from '../reservations/reservations.service.js';
+import { HeartbeatResultDto, NextTaskDto, TaskLeaseDto, TaskStateDto } from './task.dto.js';
+
+/** Review tasks: a lease is a one-item reservation whose owner is the reviewer. */
+@Injectable()
+export class TasksService {
+  constructor(
+    private readonly catalog: PoolCatalog,
+    private readonly holds: HoldStore,
+    private readonly committer: CommitService,
+    private readonly reservations: ReservationsService,
+    private readonly metrics: MetricsService,
+  ) {}
+
+  /** The next free task for this reviewer, preferring groups it already works in; null when none is free. */
+  async next(poolName: string, dto: NextTaskDto): Promise<TaskLeaseDto | null> {
+    const pool = await this.taskPool(poolName);
+    const result = await this.holds.reserve(pool.name, {
+      reservationId: makeReservationId(pool.name, randomUUID()),
+      owner: dto.reviewer,
+      count: 1,
+      ttlMs: holdTtl(pool, dto.leaseMs, 'leaseMs'),
+      maxHoldsPerOwner: pool.maxHoldsPerOwner ?? 0,
+      kind: 'l',
+      groupAffinity: true,
+    });
+    this.metrics.reservations.inc({ pool: pool.name, outcome: result.status === 'ok' ? 'leased' : result.status });
+    switch (result.status) {
+      case 'ok':
+      case 'replay':
+        return toLease(result.reservation);
+      case 'exhausted':
+        return null;
+      case 'quota':
+        throw new DomainError(ErrorCode.OWNER_QUOTA_EXCEEDED, `"${dto.reviewer}" already leases ${result.held} tasks`, {
+          held: result.held,
+          maxHoldsPerOwner: pool.maxHoldsPerOwner,
+        });
+      case 'reused':
+        throw new Error('unreachable: task leases carry no idempotency key');
+    }
+  }
+
+  async heartbeat(leaseId: string, leaseMs: number | undefined): Promise<HeartbeatResultDto> {
+    const pool = await this.leasePool(leaseId);
+    const lease = await this.reservations.extendHold(pool, leaseId, leaseMs ?? pool.holdTtlMs);
+    return { leaseId, expiresAt: new Date(lease.expiresMs).toISOString() };
+  }
+
+  async complete(leaseId: string): Promise<TaskStateDto> {
+    const pool = await this.leasePool(leaseId);
+    const stored = await this.holds.read(pool.name, leaseId);
+    const resourceId = stored?.items[0]?.id;
+    if (stored && resourceId) {
+      const outcome = await this.committer.commit(pool, leaseId, [resourceId]);
+      return { leaseId, resourceId: outcome.allocated[0].resourceId, state: 'completed' };
+    }
+    // Redis no longer has the lease: answer from its Postgres commit row, if it was completed.
+    const committed = await this.reservations.get(leaseId);
+    return { leaseId, resourceId: committed.allocated?.[0]?.resourceId ?? committed.items[0].resourceId, state: 'completed' };
+  }
+
+  async abandon(leaseId: string): Promise<TaskStateDto> {
+    const pool = await this.leasePool(leaseId);
+    const lease = await this.reservations.releaseHold(pool, leaseId);
+    return { leaseId, resourceId: lease.items[0].id, state: 'abandoned' };
+  }
+
+  private async taskPool(name: string): Promise<PoolEntity> {
+    const pool = await this.catalog.get(name);
+    if (pool.kind !== 'task') {
+      throw DomainError.validation([{ field: 'pool', reason: `pool "${name}" is of kind "${pool.kind}", not "task"` }]);
+    }
+    return pool;
+  }
+
+  private leasePool(leaseId: string): Promise<PoolEntity> {
+    return poolOf(this.catalog, leaseId);
+  }
+}
+
+function toLease(r: StoredReservation): TaskLeaseDto {
+  const item = r.items[0];
+  return {
+    leaseId: r.id,
+    resourceId: item.id,
+    value: item.v,
+    groupKey: item.g,
+    attributes: item.a,
+    expiresAt: new Date(r.expiresMs).toISOString(),
+  };
+}

@@ -1,0 +1,132 @@
+import type { NestFastifyApplication } from '@nestjs/platform-fastify';
+import { randomBytes } from 'node:crypto';
+import pg from 'pg';
+import { createApp } from '../../src/app.factory.js';
+import { AppConfig, loadConfig } from '../../src/config/app-config.js';
+import { REDIS_URL, databaseUrl, deleteKeys, dropDatabase } from './services.js';
+
+export interface HttpAnswer<T = any> {
+  status: number;
+  body: T;
+  headers: Headers;
+}
+
+/** A running respool instance on a loopback port, talking to real Postgres and Redis. */
+export class TestInstance {
+  constructor(
+    readonly app: NestFastifyApplication,
+    readonly url: string,
+    readonly config: AppConfig,
+  ) {}
+
+  async request<T = any>(method: string, path: string, body?: unknown, headers: Record<string, string> = {}): Promise<HttpAnswer<T>> {
+    const res = await fetch(`${this.url}${path}`, {
+      method,
+      headers: body === undefined ? headers : { 'content-type': 'application/json', ...headers },
+      body: body === undefined ? undefined : typeof body === 'string' ? body : JSON.stringify(body),
+    });
+    const text = await res.text();
+    let parsed: unknown = text;
+    try {
+      parsed = text ? JSON.parse(text) : undefined;
+    } catch {
+      /* not JSON (metrics, docs) */
+    }
+    return { status: res.status, body: parsed as T, headers: res.headers };
+  }
+
+  get = <T = any>(path: string) => this.request<T>('GET', path);
+  post = <T = any>(path: string, body: unknown = {}, headers?: Record<string, string>) => this.request<T>('POST', path, body, headers);
+  del = <T = any>(path: string) => this.request<T>('DELETE', path);
+
+  async close(): Promise<void> {
+    await this.app.close();
+  }
+}
+
+/**
+ * One test file's world: its own database and Redis key prefix, any number of instances on them,
+ * and a direct Postgres connection to check what really got committed. `cleanup` drops it all.
+ */
+export class TestWorld {
+  readonly dbName: string;
+  readonly prefix: string;
+  readonly instances: TestInstance[] = [];
+  private sql: pg.Pool | undefined;
+
+  constructor(
+    name: string,
+    private readonly env: Record<string, string> = {},
+  ) {
+    const tag = `${name}_${process.pid}_${randomBytes(3).toString('hex')}`;
+    this.dbName = `respool_test_${tag}`.toLowerCase();
+    this.prefix = `rptest:${tag}:`;
+  }
+
+  config(overrides: Record<string, string> = {}): AppConfig {
+    return loadConfig({
+      DATABASE_URL: databaseUrl(this.dbName),
+      REDIS_URL,
+      REDIS_KEY_PREFIX: this.prefix,
+      LOG_LEVEL: 'error',
+      LOG_REQUESTS: 'false',
+      SWEEP_INTERVAL_MS: '100',
+      ...this.env,
+      ...overrides,
+    });
+  }
+
+  async start(overrides: Record<string, string> = {}): Promise<TestInstance> {
+    const config = this.config(overrides);
+    const app = await createApp(config, { logger: false });
+    await app.listen({ port: 0, host: '127.0.0.1' });
+    const address = app.getHttpServer().address() as { port: number };
+    const instance = new TestInstance(app, `http://127.0.0.1:${address.port}`, config);
+    this.instances.push(instance);
+    return instance;
+  }
+
+  /** Direct SQL against this world's database, to check outcomes independently of the API. */
+  async query<T = any>(text: string, params: unknown[] = []): Promise<T[]> {
+    this.sql ??= new pg.Pool({ connectionString: databaseUrl(this.dbName), max: 2 });
+    return (await this.sql.query(text, params)).rows as T[];
+  }
+
+  async cleanup(): Promise<void> {
+    for (const instance of this.instances.splice(0)) await instance.close().catch(() => undefined);
+    await this.sql?.end();
+    await dropDatabase(this.dbName);
+    await deleteKeys(this.env.REDIS_URL ?? REDIS_URL, this.prefix);
+  }
+}
+
+export const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));
+
+/** Polls `check` until it returns a truthy value or `timeoutMs` passes; returns the value and the time it took. */
+export async function eventually<T>(check: () => Promise<T | undefined | null | false>, timeoutMs: number, everyMs = 50) {
+  const started = Date.now();
+  for (;;) {
+    const value = await check();
+    if (value) return { value, elapsedMs: Date.now() - started };
+    if (Date.now() - started > timeoutMs) throw new Error(`condition not met within ${timeoutMs} ms`);
+    await sleep(everyMs);
+  }
+}
+
+/** Creates a pool and imports `values` into it; returns the resource ids by value. */
+export async function seedPool(
+  api: TestInstance,
+  name: string,
+  values: (string | { value: string; attributes?: Record<string, string>; groupKey?: string })[],
+  pool: Record<string, unknown> = {},
+): Promise<void> {
+  const created = await api.post('/v1/pools', { name, kind: 'number', ...pool });
+  if (created.status !== 201) throw new Error(`pool ${name}: ${created.status} ${JSON.stringify(created.body)}`);
+  const items = values.map((v) => (typeof v === 'string' ? { value: v } : v));
+  for (let i = 0; i < items.length; i += 10_000) {
+    const imported = await api.post(`/v1/pools/${name}/resources`, { items: items.slice(i, i + 10_000) });
+    if (imported.status !== 201) throw new Error(`import ${name}: ${imported.status} ${JSON.stringify(imported.body)}`);
+  }
+}
+
+export const numbers = (n: number, prefix = '1380000') => Array.from({ length: n }, (_, i) => `${prefix}${String(i).padStart(4, '0')}`);
