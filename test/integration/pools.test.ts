@@ -1,0 +1,158 @@
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { TestInstance, TestWorld, numbers, seedPool, sleep } from '../support/harness.js';
+
+describe('pools and resources', () => {
+  const world = new TestWorld('pools');
+  let api: TestInstance;
+
+  beforeAll(async () => {
+    api = await world.start();
+  });
+  afterAll(() => world.cleanup());
+
+  const poolCount = async () => (await world.query(`SELECT count(*)::int AS n FROM t_pool`))[0].n;
+  const resourceCount = async () => (await world.query(`SELECT count(*)::int AS n FROM t_resource`))[0].n;
+
+  it('creates a pool with the documented defaults and refuses a taken name', async () => {
+    const created = await api.post('/v1/pools', { name: 'phone-bj', kind: 'number' });
+    expect(created.status).toBe(201);
+    expect(created.body).toMatchObject({ name: 'phone-bj', kind: 'number', holdTtlMs: 600_000, maxHoldTtlMs: 3_600_000, maxHoldsPerOwner: null });
+    expect(Date.parse(created.body.createdAt)).toBeGreaterThan(Date.now() - 60_000);
+    const full = await api.post('/v1/pools', { name: 'phone-sh', kind: 'number', holdTtlMs: 900_000, maxHoldTtlMs: 3_600_000, maxHoldsPerOwner: 10 });
+    expect(full.body).toMatchObject({ holdTtlMs: 900_000, maxHoldsPerOwner: 10 });
+    const taken = await api.post('/v1/pools', { name: 'phone-bj', kind: 'task' });
+    expect(taken.status).toBe(409);
+    expect(taken.body.error.code).toBe('POOL_EXISTS');
+    const list = await api.get('/v1/pools');
+    expect(list.body.map((p: { name: string }) => p.name)).toEqual(expect.arrayContaining(['phone-bj', 'phone-sh']));
+    const one = await api.get('/v1/pools/phone-bj');
+    expect(one.body).toMatchObject({ name: 'phone-bj', stats: { total: 0, free: 0, held: 0, allocated: 0 } });
+  });
+
+  it('refuses bad pools with 400 and creates nothing', async () => {
+    const before = await poolCount();
+    for (const body of [
+      { name: 'Bad Name', kind: 'number' },
+      { name: '-dash', kind: 'number' },
+      { name: 'x'.repeat(64), kind: 'number' },
+      { name: 'ok', kind: 'car' },
+      { name: 'ok' },
+      { name: 'ok', kind: 'number', holdTtlMs: 500 },
+      { name: 'ok', kind: 'number', holdTtlMs: 10_000, maxHoldTtlMs: 5000 },
+      { name: 'ok', kind: 'number', maxHoldsPerOwner: 0 },
+      { name: 'ok', kind: 'number', colour: 'red' },
+    ]) {
+      const answer = await api.post('/v1/pools', body);
+      expect(answer.status, JSON.stringify(body)).toBe(400);
+      expect(answer.body.error.code).toBe('VALIDATION_FAILED');
+      expect(answer.body.error.details.fields.length).toBeGreaterThan(0);
+    }
+    expect(await poolCount()).toBe(before);
+    const missing = await api.get('/v1/pools/nope');
+    expect(missing.status).toBe(404);
+    expect(missing.body.error.code).toBe('POOL_NOT_FOUND');
+    expect((await api.get('/v1/pools/NOT_VALID')).status).toBe(400);
+  });
+
+  it('imports items, counts duplicates and leaves them unchanged; new items are free at once', async () => {
+    await api.post('/v1/pools', { name: 'import', kind: 'number' });
+    const first = await api.post('/v1/pools/import/resources', {
+      items: [{ value: '13800138000', attributes: { city: 'bj' }, groupKey: 'g1' }, { value: '13800138001' }, { value: '13800138001' }],
+    });
+    expect(first.status).toBe(201);
+    expect(first.body).toEqual({ inserted: 2, duplicates: 1 });
+    const second = await api.post('/v1/pools/import/resources', { items: [{ value: '13800138000', attributes: { city: 'sh' } }, { value: '13800138002' }] });
+    expect(second.body).toEqual({ inserted: 1, duplicates: 1 });
+    const [row] = await world.query(`SELECT attributes FROM t_resource WHERE value = '13800138000'`);
+    expect(row.attributes).toEqual({ city: 'bj' });
+    expect((await api.get('/v1/pools/import')).body.stats).toEqual({ total: 3, free: 3, held: 0, allocated: 0 });
+    const r = await api.post('/v1/pools/import/reservations', { owner: 'u', count: 3 });
+    expect(r.status).toBe(201);
+  });
+
+  it('refuses bad imports with 400 and inserts nothing', async () => {
+    await api.post('/v1/pools', { name: 'import-bad', kind: 'number' });
+    const before = await resourceCount();
+    for (const body of [
+      { items: [] },
+      { items: [{ value: '' }] },
+      { items: [{ value: 'x'.repeat(257) }] },
+      { items: [{ value: 'ok' }, { value: 'y', attributes: { nested: { a: 1 } } }] },
+      { items: [{ value: 'y', attributes: { n: 5 } }] },
+      { items: [{ value: 'y', extra: 1 }] },
+      { items: Array.from({ length: 10_001 }, (_, i) => ({ value: `v${i}` })) },
+      { items: 'nope' },
+    ]) {
+      const answer = await api.post('/v1/pools/import-bad/resources', body);
+      expect(answer.status).toBe(400);
+      expect(answer.body.error.code).toBe('VALIDATION_FAILED');
+    }
+    expect(await resourceCount()).toBe(before);
+    const missing = await api.post('/v1/pools/no-pool/resources', { items: [{ value: 'a' }] });
+    expect(missing.status).toBe(404);
+    expect(missing.body.error.code).toBe('POOL_NOT_FOUND');
+  });
+
+  it('reads a resource as free, held and allocated; unknown ids are 404 RESOURCE_NOT_FOUND', async () => {
+    await seedPool(api, 'states', numbers(1));
+    const [{ id }] = await world.query(`SELECT r.id::text FROM t_resource r JOIN t_pool p ON p.id = r.pool_id WHERE p.name = 'states'`);
+    expect((await api.get(`/v1/pools/states/resources/${id}`)).body).toMatchObject({ id, pool: 'states', state: 'free', version: 0, owner: null, groupKey: null, attributes: {} });
+    const r = await api.post('/v1/pools/states/reservations', { owner: 'u' });
+    expect((await api.get(`/v1/pools/states/resources/${id}`)).body.state).toBe('held');
+    await api.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [id] });
+    expect((await api.get(`/v1/pools/states/resources/${id}`)).body).toMatchObject({ state: 'allocated', owner: 'u', version: 1 });
+    const missing = await api.get('/v1/pools/states/resources/999999999');
+    expect(missing.status).toBe(404);
+    expect(missing.body.error.code).toBe('RESOURCE_NOT_FOUND');
+    expect((await api.get('/v1/pools/states/resources/abc')).status).toBe(400);
+  });
+
+  it('releases an allocated item: version +1, free and reservable at once; NOT_ALLOCATED otherwise', async () => {
+    await seedPool(api, 'give-back', numbers(1));
+    const r = await api.post('/v1/pools/give-back/reservations', { owner: 'owner-1' });
+    const id = r.body.items[0].resourceId;
+    await api.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [id] });
+    const wrongOwner = await api.post(`/v1/pools/give-back/resources/${id}/release`, { owner: 'owner-2' });
+    expect(wrongOwner.status).toBe(409);
+    expect(wrongOwner.body.error.code).toBe('NOT_ALLOCATED');
+    const released = await api.post(`/v1/pools/give-back/resources/${id}/release`, { owner: 'owner-1' });
+    expect(released.status).toBe(200);
+    expect(released.body).toMatchObject({ id, state: 'free', version: 2, owner: null });
+    const again = await api.post(`/v1/pools/give-back/resources/${id}/release`, { owner: 'owner-1' });
+    expect(again.status).toBe(409);
+    expect(again.body.error.code).toBe('NOT_ALLOCATED');
+    const next = await api.post('/v1/pools/give-back/reservations', { owner: 'owner-3' });
+    expect(next.status).toBe(201);
+    expect(next.body.items[0]).toMatchObject({ resourceId: id, version: 2 });
+    const history = await world.query(`SELECT action, owner, version FROM t_allocation_history WHERE resource_id = $1 ORDER BY id`, [id]);
+    expect(history).toEqual([
+      { action: 'allocate', owner: 'owner-1', version: 1 },
+      { action: 'release', owner: 'owner-1', version: 2 },
+    ]);
+    expect((await api.post(`/v1/pools/give-back/resources/${id}/release`, {})).status).toBe(400);
+    expect((await api.post('/v1/pools/give-back/resources/99999999/release', { owner: 'x' })).body.error.code).toBe('RESOURCE_NOT_FOUND');
+  });
+
+  it('a body over the limit is 413 PAYLOAD_TOO_LARGE and inserts nothing', async () => {
+    const small = await world.start({ BODY_LIMIT_BYTES: '2048' });
+    await small.post('/v1/pools', { name: 'small-body', kind: 'number' });
+    const before = await resourceCount();
+    const answer = await small.post('/v1/pools/small-body/resources', { items: numbers(200).map((value) => ({ value })) });
+    expect(answer.status).toBe(413);
+    expect(answer.body.error.code).toBe('PAYLOAD_TOO_LARGE');
+    expect(await resourceCount()).toBe(before);
+  });
+
+  it('too many requests from one client are 429 RATE_LIMITED', async () => {
+    const limited = await world.start({ RATE_LIMIT_PER_SECOND: '1', RATE_LIMIT_BURST: '3' });
+    const answers = [];
+    for (let i = 0; i < 5; i++) answers.push(await limited.get('/v1/pools'));
+    expect(answers.slice(0, 3).map((a) => a.status)).toEqual([200, 200, 200]);
+    expect(answers[3].status).toBe(429);
+    expect(answers[3].body.error.code).toBe('RATE_LIMITED');
+    expect(answers[3].headers.get('retry-after')).toBe('1');
+    expect((await limited.get('/health/live')).status).toBe(200);
+    await sleep(1100);
+    expect((await limited.get('/v1/pools')).status).toBe(200);
+  });
+});

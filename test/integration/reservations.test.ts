@@ -1,0 +1,287 @@
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { TestInstance, TestWorld, eventually, numbers, seedPool, sleep } from '../support/harness.js';
+
+describe('reservations', () => {
+  const world = new TestWorld('reservations');
+  let api: TestInstance;
+
+  beforeAll(async () => {
+    api = await world.start();
+  });
+  afterAll(() => world.cleanup());
+
+  const reserve = (pool: string, body: Record<string, unknown>, headers?: Record<string, string>) =>
+    api.post(`/v1/pools/${pool}/reservations`, body, headers);
+  const stats = async (pool: string) => (await api.get(`/v1/pools/${pool}`)).body.stats;
+  const dbRow = async (id: string) => (await world.query(`SELECT state, version, owner FROM t_resource WHERE id = $1`, [id]))[0];
+
+  it('reserve 3, confirm 1: the chosen one is allocated, the other two are free again at once', async () => {
+    await seedPool(api, 'flow', numbers(3));
+    const r = await reserve('flow', { owner: 'user-123', count: 3, ttlMs: 900_000 });
+    expect(r.status).toBe(201);
+    expect(r.body).toMatchObject({ pool: 'flow', owner: 'user-123', state: 'held' });
+    expect(r.body.id).toMatch(/^flow\.[0-9a-f-]{36}$/);
+    expect(r.body.items).toHaveLength(3);
+    const expiresIn = Date.parse(r.body.expiresAt) - Date.now();
+    expect(expiresIn).toBeGreaterThan(890_000);
+    expect(expiresIn).toBeLessThan(910_000);
+    expect(await stats('flow')).toEqual({ total: 3, free: 0, held: 3, allocated: 0 });
+
+    const [chosen, ...others] = r.body.items;
+    const confirmed = await api.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [chosen.resourceId] });
+    expect(confirmed.status).toBe(200);
+    expect(confirmed.body).toEqual({
+      id: r.body.id,
+      state: 'confirmed',
+      allocated: [{ resourceId: chosen.resourceId, value: chosen.value, version: chosen.version + 1 }],
+      released: others.map((i: { resourceId: string }) => i.resourceId),
+    });
+    expect(await stats('flow')).toEqual({ total: 3, free: 2, held: 0, allocated: 1 });
+    expect(await dbRow(chosen.resourceId)).toEqual({ state: 2, version: chosen.version + 1, owner: 'user-123' });
+
+    const again = await reserve('flow', { owner: 'user-456', count: 2 });
+    expect(again.status).toBe(201);
+    expect(again.body.items.map((i: { resourceId: string }) => i.resourceId).sort()).toEqual(
+      others.map((i: { resourceId: string }) => i.resourceId).sort(),
+    );
+
+    const read = await api.get(`/v1/reservations/${r.body.id}`);
+    expect(read.body).toMatchObject({ state: 'confirmed', allocated: confirmed.body.allocated, released: confirmed.body.released });
+    const resource = await api.get(`/v1/pools/flow/resources/${chosen.resourceId}`);
+    expect(resource.body).toMatchObject({ state: 'allocated', owner: 'user-123', version: chosen.version + 1 });
+  });
+
+  it('confirm is idempotent; a different selection afterwards is RESERVATION_CLOSED', async () => {
+    await seedPool(api, 'idem-confirm', numbers(3));
+    const r = await reserve('idem-confirm', { owner: 'payer', count: 3 });
+    const ids = r.body.items.map((i: { resourceId: string }) => i.resourceId);
+    const first = await api.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [ids[1]] });
+    const retry = await api.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [ids[1]] });
+    expect(first.status).toBe(200);
+    expect(retry.status).toBe(200);
+    expect(retry.body).toEqual(first.body);
+    const other = await api.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [ids[0]] });
+    expect(other.status).toBe(409);
+    expect(other.body.error.code).toBe('RESERVATION_CLOSED');
+    expect(await dbRow(ids[0])).toMatchObject({ state: 1, version: 0 });
+    const history = await world.query(`SELECT count(*)::int AS n FROM t_allocation_history WHERE resource_id = $1`, [ids[1]]);
+    expect(history[0].n).toBe(1);
+  });
+
+  it('confirm naming an item the reservation does not hold is 422 NOT_IN_RESERVATION and changes nothing', async () => {
+    await seedPool(api, 'notin', numbers(4));
+    const r = await reserve('notin', { owner: 'payer', count: 2 });
+    const held = new Set(r.body.items.map((i: { resourceId: string }) => i.resourceId));
+    const [stranger] = (await world.query(`SELECT r.id::text FROM t_resource r JOIN t_pool p ON p.id = r.pool_id WHERE p.name = 'notin'`))
+      .map((row) => row.id)
+      .filter((id) => !held.has(id));
+    const answer = await api.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [r.body.items[0].resourceId, stranger] });
+    expect(answer.status).toBe(422);
+    expect(answer.body.error).toMatchObject({ code: 'NOT_IN_RESERVATION', details: { resourceId: stranger } });
+    expect((await api.get(`/v1/reservations/${r.body.id}`)).body.state).toBe('held');
+    expect(await stats('notin')).toEqual({ total: 4, free: 2, held: 2, allocated: 0 });
+  });
+
+  it('DELETE releases the held items at once and is idempotent; confirm afterwards is RESERVATION_CLOSED', async () => {
+    await seedPool(api, 'release', numbers(2));
+    const r = await reserve('release', { owner: 'walker', count: 2 });
+    const released = await api.del(`/v1/reservations/${r.body.id}`);
+    expect(released.status).toBe(200);
+    expect(released.body.state).toBe('released');
+    expect(await stats('release')).toEqual({ total: 2, free: 2, held: 0, allocated: 0 });
+    const again = await api.del(`/v1/reservations/${r.body.id}`);
+    expect(again.status).toBe(200);
+    expect(again.body.state).toBe('released');
+    const late = await api.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [r.body.items[0].resourceId] });
+    expect(late.status).toBe(409);
+    expect(late.body.error.code).toBe('RESERVATION_CLOSED');
+    expect((await reserve('release', { owner: 'next', count: 2 })).status).toBe(201);
+  });
+
+  it('extend moves expiresAt to now + ttlMs, capped by maxHoldTtlMs; once expired it is HOLD_EXPIRED', async () => {
+    await seedPool(api, 'extend', numbers(2), { holdTtlMs: 1000, maxHoldTtlMs: 20_000 });
+    const r = await reserve('extend', { owner: 'slow', count: 1 });
+    const extended = await api.post(`/v1/reservations/${r.body.id}/extend`, { ttlMs: 10_000 });
+    expect(extended.status).toBe(200);
+    const ahead = Date.parse(extended.body.expiresAt) - Date.now();
+    expect(ahead).toBeGreaterThan(8_000);
+    expect(ahead).toBeLessThanOrEqual(10_500);
+    const capped = await api.post(`/v1/reservations/${r.body.id}/extend`, { ttlMs: 3_600_000 });
+    expect(Date.parse(capped.body.expiresAt) - Date.now()).toBeLessThanOrEqual(20_500);
+
+    const short = await reserve('extend', { owner: 'late', count: 1, ttlMs: 1000 });
+    await sleep(1200);
+    const tooLate = await api.post(`/v1/reservations/${short.body.id}/extend`, { ttlMs: 5000 });
+    expect(tooLate.status).toBe(409);
+    expect(tooLate.body.error.code).toBe('HOLD_EXPIRED');
+  });
+
+  it('invariant 4: a hold with ttlMs 1000 is reservable again within 2 s of its expiry and reads expired', async () => {
+    await seedPool(api, 'expiry', numbers(1));
+    const r = await reserve('expiry', { owner: 'gone', count: 1, ttlMs: 1000 });
+    expect(r.status).toBe(201);
+    expect((await reserve('expiry', { owner: 'other', count: 1 })).body.error.code).toBe('POOL_EXHAUSTED');
+    const expiresAt = Date.parse(r.body.expiresAt);
+    const { value } = await eventually(async () => {
+      const again = await reserve('expiry', { owner: 'other', count: 1 });
+      return again.status === 201 ? again : null;
+    }, 4000, 50);
+    expect(Date.now() - expiresAt).toBeLessThan(2000);
+    expect(value.body.items[0].resourceId).toBe(r.body.items[0].resourceId);
+    expect((await api.get(`/v1/reservations/${r.body.id}`)).body.state).toBe('expired');
+  });
+
+  it('a confirm after expiry succeeds for an item nobody took meanwhile', async () => {
+    await seedPool(api, 'late-ok', numbers(2));
+    const r = await reserve('late-ok', { owner: 'tardy', count: 2, ttlMs: 1000 });
+    await eventually(async () => (await api.get(`/v1/reservations/${r.body.id}`)).body.state === 'expired', 3000);
+    await eventually(async () => (await stats('late-ok')).free === 2, 3000);
+    const chosen = r.body.items[0];
+    const confirmed = await api.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [chosen.resourceId] });
+    expect(confirmed.status).toBe(200);
+    expect(confirmed.body.allocated[0]).toEqual({ resourceId: chosen.resourceId, value: chosen.value, version: chosen.version + 1 });
+    expect(await dbRow(chosen.resourceId)).toEqual({ state: 2, version: chosen.version + 1, owner: 'tardy' });
+    expect(await stats('late-ok')).toEqual({ total: 2, free: 1, held: 0, allocated: 1 });
+  });
+
+  it('a confirm after expiry of an item someone else now holds is HOLD_LOST and allocates nothing', async () => {
+    await seedPool(api, 'late-lost', numbers(1));
+    const r = await reserve('late-lost', { owner: 'tardy', count: 1, ttlMs: 1000 });
+    const { value: thief } = await eventually(async () => {
+      const t = await reserve('late-lost', { owner: 'thief', count: 1 });
+      return t.status === 201 ? t : null;
+    }, 4000);
+    const lost = await api.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [r.body.items[0].resourceId] });
+    expect(lost.status).toBe(409);
+    expect(lost.body.error.code).toBe('HOLD_LOST');
+    expect(await dbRow(r.body.items[0].resourceId)).toEqual({ state: 1, version: 0, owner: null });
+    // The new holder still gets it.
+    const won = await api.post(`/v1/reservations/${thief.body.id}/confirm`, { resourceIds: [r.body.items[0].resourceId] });
+    expect(won.status).toBe(200);
+    expect(await dbRow(r.body.items[0].resourceId)).toEqual({ state: 2, version: 1, owner: 'thief' });
+  });
+
+  it('a confirm after expiry of an item someone else allocated and released meanwhile is HOLD_LOST (the version moved on)', async () => {
+    await seedPool(api, 'aba', numbers(1));
+    const r = await reserve('aba', { owner: 'tardy', count: 1, ttlMs: 1000 });
+    const id = r.body.items[0].resourceId;
+    const { value: other } = await eventually(async () => {
+      const t = await reserve('aba', { owner: 'quick', count: 1 });
+      return t.status === 201 ? t : null;
+    }, 4000);
+    expect((await api.post(`/v1/reservations/${other.body.id}/confirm`, { resourceIds: [id] })).status).toBe(200);
+    expect((await api.post(`/v1/pools/aba/resources/${id}/release`, { owner: 'quick' })).status).toBe(200);
+    // Taken and returned between the hold and the confirm: the version check refuses it (the ABA case).
+    const lost = await api.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [id] });
+    expect(lost.status).toBe(409);
+    expect(lost.body.error.code).toBe('HOLD_LOST');
+    expect(await dbRow(id)).toEqual({ state: 1, version: 2, owner: null });
+    // Nothing leaked: the item is reservable again, with its current version.
+    const fresh = await reserve('aba', { owner: 'next', count: 1 });
+    expect(fresh.status).toBe(201);
+    expect(fresh.body.items[0]).toMatchObject({ resourceId: id, version: 2 });
+  });
+
+  it('Idempotency-Key: the same call returns the same reservation with 200; a different body is IDEMPOTENCY_KEY_REUSED', async () => {
+    await seedPool(api, 'idem', numbers(5));
+    const body = { owner: 'front', count: 2 };
+    const first = await reserve('idem', body, { 'Idempotency-Key': 'order-1' });
+    const repeat = await reserve('idem', body, { 'Idempotency-Key': 'order-1' });
+    expect(first.status).toBe(201);
+    expect(repeat.status).toBe(200);
+    expect(repeat.body).toEqual(first.body);
+    expect(await stats('idem')).toMatchObject({ free: 3, held: 2 });
+    const reused = await reserve('idem', { owner: 'front', count: 3 }, { 'Idempotency-Key': 'order-1' });
+    expect(reused.status).toBe(409);
+    expect(reused.body.error.code).toBe('IDEMPOTENCY_KEY_REUSED');
+    expect(await stats('idem')).toMatchObject({ free: 3, held: 2 });
+    const badKey = await reserve('idem', body, { 'Idempotency-Key': 'x'.repeat(300) });
+    expect(badKey.status).toBe(400);
+  });
+
+  it('maxHoldsPerOwner: an owner over the quota gets 429 OWNER_QUOTA_EXCEEDED, other owners are unaffected', async () => {
+    await seedPool(api, 'quota', numbers(6), { maxHoldsPerOwner: 2 });
+    expect((await reserve('quota', { owner: 'greedy', count: 2 })).status).toBe(201);
+    const over = await reserve('quota', { owner: 'greedy', count: 1 });
+    expect(over.status).toBe(429);
+    expect(over.body.error.code).toBe('OWNER_QUOTA_EXCEEDED');
+    expect((await reserve('quota', { owner: 'modest', count: 2 })).status).toBe(201);
+    expect(await stats('quota')).toMatchObject({ free: 2, held: 4 });
+  });
+
+  it('filters: by attributes, by value prefix, and both', async () => {
+    await seedPool(api, 'filters', [
+      { value: '13800000001', attributes: { city: 'bj', tier: 'gold' } },
+      { value: '13800000002', attributes: { city: 'bj' } },
+      { value: '13900000003', attributes: { city: 'bj', tier: 'gold' } },
+      { value: '13900000004', attributes: { city: 'sh' } },
+    ]);
+    const gold = await reserve('filters', { owner: 'a', count: 2, filter: { attributes: { city: 'bj', tier: 'gold' } } });
+    expect(gold.body.items.map((i: { value: string }) => i.value).sort()).toEqual(['13800000001', '13900000003']);
+    await api.del(`/v1/reservations/${gold.body.id}`);
+    const both = await reserve('filters', { owner: 'b', count: 1, filter: { attributes: { city: 'bj' }, valuePrefix: '139' } });
+    expect(both.body.items[0].value).toBe('13900000003');
+    const prefix = await reserve('filters', { owner: 'c', count: 2, filter: { valuePrefix: '138' } });
+    expect(prefix.body.items.map((i: { value: string }) => i.value).sort()).toEqual(['13800000001', '13800000002']);
+    const none = await reserve('filters', { owner: 'd', count: 2, filter: { attributes: { city: 'sh' } } });
+    expect(none.status).toBe(409);
+    expect(none.body.error.code).toBe('POOL_EXHAUSTED');
+    expect(await stats('filters')).toMatchObject({ free: 1, held: 3 });
+  });
+
+  it('invariant 6: bad input is a 400 VALIDATION_FAILED listing each field, and changes nothing', async () => {
+    await seedPool(api, 'strict', numbers(3), { holdTtlMs: 30_000, maxHoldTtlMs: 60_000 });
+    const cases: [Record<string, unknown>, string][] = [
+      [{ count: 1 }, 'owner'],
+      [{ owner: '', count: 1 }, 'owner'],
+      [{ owner: 'x'.repeat(129) }, 'owner'],
+      [{ owner: 'u', count: 0 }, 'count'],
+      [{ owner: 'u', count: 101 }, 'count'],
+      [{ owner: 'u', count: 1.5 }, 'count'],
+      [{ owner: 'u', ttlMs: 999 }, 'ttlMs'],
+      [{ owner: 'u', ttlMs: 60_001 }, 'ttlMs'],
+      [{ owner: 'u', waitMs: 30_001 }, 'waitMs'],
+      [{ owner: 'u', waitMs: 100 }, 'waitMs'],
+      [{ owner: 'u', filter: { attributes: { city: { nested: 1 } } } }, 'filter.attributes'],
+      [{ owner: 'u', filter: { colour: 'red' } }, 'filter.colour'],
+      [{ owner: 'u', surprise: true }, 'surprise'],
+    ];
+    for (const [body, field] of cases) {
+      const answer = await reserve('strict', body);
+      expect(answer.status, JSON.stringify(body)).toBe(400);
+      expect(answer.body.error.code).toBe('VALIDATION_FAILED');
+      expect(answer.body.error.details.fields.map((f: { field: string }) => f.field)).toContain(field);
+    }
+    const waiting = await reserve('strict', { owner: 'u', waitMs: 100 });
+    expect(waiting.body.error.details.fields[0].reason).toMatch(/not supported yet/);
+    const notJson = await api.request('POST', '/v1/pools/strict/reservations', '{"owner":', { 'content-type': 'application/json' });
+    expect(notJson.status).toBe(400);
+    expect(notJson.body.error.code).toBe('VALIDATION_FAILED');
+    const badConfirm = await api.post('/v1/reservations/strict.not-a-uuid/confirm', { resourceIds: ['1'] });
+    expect(badConfirm.status).toBe(400);
+    const r = await reserve('strict', { owner: 'u' });
+    for (const body of [{ resourceIds: [] }, { resourceIds: ['abc'] }, { resourceIds: ['1', '1'] }, {}]) {
+      const answer = await api.post(`/v1/reservations/${r.body.id}/confirm`, body);
+      expect(answer.status).toBe(400);
+      expect(answer.body.error.code).toBe('VALIDATION_FAILED');
+    }
+    expect(await stats('strict')).toEqual({ total: 3, free: 2, held: 1, allocated: 0 });
+    expect((await api.get(`/v1/reservations/${r.body.id}`)).body.state).toBe('held');
+  });
+
+  it('unknown pools and reservations are 404 with their codes', async () => {
+    const pool = await reserve('no-such-pool', { owner: 'u' });
+    expect(pool.status).toBe(404);
+    expect(pool.body.error.code).toBe('POOL_NOT_FOUND');
+    const id = 'flow.3f1c2a9e-5b7d-4e8f-9a0b-1c2d3e4f5a6b';
+    for (const answer of [
+      await api.get(`/v1/reservations/${id}`),
+      await api.post(`/v1/reservations/${id}/confirm`, { resourceIds: ['1'] }),
+      await api.post(`/v1/reservations/${id}/extend`, { ttlMs: 5000 }),
+      await api.del(`/v1/reservations/${id}`),
+    ]) {
+      expect(answer.status).toBe(404);
+      expect(answer.body.error.code).toBe('RESERVATION_NOT_FOUND');
+    }
+  });
+});
