@@ -3,6 +3,8 @@ import { NestFactory } from '@nestjs/core';
 import { FastifyAdapter, NestFastifyApplication } from '@nestjs/platform-fastify';
 import { DocumentBuilder, SwaggerModule } from '@nestjs/swagger';
 import type { FastifyReply, FastifyRequest } from 'fastify';
+import { randomUUID } from 'node:crypto';
+import type { IncomingMessage } from 'node:http';
 import type { Redis } from 'ioredis';
 import { Logger } from 'nestjs-pino';
 import { AppModule } from './app.module.js';
@@ -15,6 +17,14 @@ import { MetricsService } from './metrics/metrics.service.js';
 import { REDIS, assertNoEviction } from './redis/redis.client.js';
 
 export const API_VERSION = '1';
+
+const REQUEST_ID = /^[\w.:-]{1,128}$/;
+
+/** A caller's x-request-id when it is sane, else a new UUID. */
+export function requestId(req: IncomingMessage): string {
+  const given = req.headers['x-request-id'];
+  return typeof given === 'string' && REQUEST_ID.test(given) ? given : randomUUID();
+}
 
 /** Builds the OpenAPI document from the controllers and DTOs. */
 export function buildOpenApi(app: NestFastifyApplication) {
@@ -36,6 +46,8 @@ export function buildOpenApi(app: NestFastifyApplication) {
 export async function createApp(config: AppConfig, options: { logger?: boolean } = {}): Promise<NestFastifyApplication> {
   await runMigrations(config);
   const adapter = new FastifyAdapter({
+    // The request id every log line of a request carries (pino-http reuses it); echoed in x-request-id.
+    genReqId: requestId,
     bodyLimit: config.BODY_LIMIT_BYTES,
     return503OnClosing: true,
     forceCloseConnections: 'idle',
@@ -45,15 +57,23 @@ export async function createApp(config: AppConfig, options: { logger?: boolean }
     abortOnError: false,
   });
   app.useLogger(options.logger === false ? false : app.get(Logger));
-  const redis = app.get<Redis>(REDIS);
-  await redis.connect();
-  await assertNoEviction(redis);
+  try {
+    const redis = app.get<Redis>(REDIS);
+    await redis.connect();
+    await assertNoEviction(redis);
+  } catch (err) {
+    await app.close().catch(() => undefined);
+    throw err;
+  }
 
   app.useGlobalPipes(createValidationPipe());
   app.enableShutdownHooks();
 
   const fastify = app.getHttpAdapter().getInstance();
   const metrics = app.get(MetricsService);
+  fastify.addHook('onRequest', async (req: FastifyRequest, reply: FastifyReply) => {
+    void reply.header('x-request-id', req.id);
+  });
   fastify.addHook('onResponse', async (req: FastifyRequest, reply: FastifyReply) => {
     metrics.httpDuration.observe(
       { method: req.method, route: req.routeOptions.url ?? 'unmatched', status: String(reply.statusCode) },

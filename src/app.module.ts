@@ -1,10 +1,8 @@
-import { DynamicModule, Global, Module } from '@nestjs/common';
+import { DynamicModule, Global, Module, RequestMethod } from '@nestjs/common';
 import { APP_FILTER } from '@nestjs/core';
 import { TerminusModule } from '@nestjs/terminus';
 import { TypeOrmModule } from '@nestjs/typeorm';
 import { LoggerModule } from 'nestjs-pino';
-import { randomUUID } from 'node:crypto';
-import type { IncomingMessage } from 'node:http';
 import { AllExceptionsFilter } from './common/all-exceptions.filter.js';
 import { AppConfig } from './config/app-config.js';
 import { CommitRepository } from './database/commit.repository.js';
@@ -28,12 +26,6 @@ import { SweeperService } from './sweeper/sweeper.service.js';
 import { TasksController } from './tasks/tasks.controller.js';
 import { TasksService } from './tasks/tasks.service.js';
 
-const REQUEST_ID = /^[\w.:-]{1,128}$/;
-
-export function requestId(req: IncomingMessage): string {
-  const given = req.headers['x-request-id'];
-  return typeof given === 'string' && REQUEST_ID.test(given) ? given : randomUUID();
-}
 
 @Global()
 @Module({})
@@ -67,14 +59,12 @@ export class AppModule {
         InfrastructureModule.forRoot(config),
         TypeOrmModule.forRoot({ ...dataSourceOptions(config), retryAttempts: 0 }),
         LoggerModule.forRoot({
+          // nestjs-pino's default route pattern ("{/*splat}") does not match under the Fastify adapter of
+          // Nest 12; "*path" does.
+          forRoutes: [{ path: '*path', method: RequestMethod.ALL }],
           pinoHttp: {
             level: config.LOG_LEVEL,
             autoLogging: config.LOG_REQUESTS === 'true',
-            genReqId: (req, res) => {
-              const id = requestId(req);
-              res.setHeader('x-request-id', id);
-              return id;
-            },
             serializers: {
               req: (req: { id: string; method: string; url: string }) => ({ id: req.id, method: req.method, url: req.url }),
               res: (res: { statusCode: number }) => ({ statusCode: res.statusCode }),

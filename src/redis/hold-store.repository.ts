@@ -1,4 +1,4 @@
-import { Inject, Injectable, OnApplicationShutdown } from '@nestjs/common';
+import { Inject, Injectable, Logger, OnApplicationShutdown } from '@nestjs/common';
 import { readFileSync } from 'node:fs';
 import type { Redis } from 'ioredis';
 import { AppConfig } from '../config/app-config.js';
@@ -101,6 +101,7 @@ function parseReservation(reply: string[]): StoredReservation {
  */
 @Injectable()
 export class HoldStore implements OnApplicationShutdown {
+  private readonly logger = new Logger(HoldStore.name);
   private readonly prefix: string;
   private readonly retentionMs: number;
 
@@ -109,6 +110,15 @@ export class HoldStore implements OnApplicationShutdown {
     private readonly config: AppConfig,
   ) {
     this.prefix = config.REDIS_KEY_PREFIX;
+    // Connection errors surface as 503s on the requests that meet them; log each distinct one once.
+    let last = '';
+    redis.on('error', (err: Error) => {
+      if (err.message !== last) this.logger.warn(`redis: ${err.message}`);
+      last = err.message;
+    });
+    redis.on('ready', () => {
+      last = '';
+    });
     this.retentionMs = config.RESERVATION_RETENTION_MS;
     for (const name of SCRIPTS) {
       if (!(name in redis)) redis.defineCommand(`rp_${name}`, { numberOfKeys: 1, lua: loadScript(name) });

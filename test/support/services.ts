@@ -71,6 +71,7 @@ export class OwnRedis {
     );
     for (let i = 0; i < 100; i++) {
       const probe = new Redis(this.url, { lazyConnect: true, retryStrategy: () => null, maxRetriesPerRequest: 0 });
+      probe.on('error', () => undefined); // refused while the server starts: expected
       try {
         await probe.connect();
         await probe.ping();

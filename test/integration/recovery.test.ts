@@ -1,0 +1,152 @@
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { createApp } from '../../src/app.factory.js';
+import { TestInstance, TestWorld, eventually, numbers, seedPool, sleep } from '../support/harness.js';
+import { OwnRedis, TcpProxy } from '../support/services.js';
+
+// Invariants 4, 5 and 6 under lost dependencies. This file runs its own redis-server, so it may
+// flush, stop and restart it without touching the machine's Redis, and reaches Postgres through a
+// proxy it can cut.
+describe('recovery: Redis wiped or down, Postgres down, an instance gone', () => {
+  let redis: OwnRedis;
+  let world: TestWorld;
+  let api: TestInstance;
+
+  beforeAll(async () => {
+    redis = await OwnRedis.start();
+    world = new TestWorld('recovery', { REDIS_URL: redis.url });
+    api = await world.start({ RECONCILE_INTERVAL_MS: '0' });
+  });
+  afterAll(async () => {
+    await world.cleanup();
+    await redis.stop();
+  });
+
+  const stats = async (pool: string) => (await api.get(`/v1/pools/${pool}`)).body.stats;
+
+  it('invariant 5: after FLUSHALL, every free item is reservable again within 5 s without a restart, and no allocated item ever is', async () => {
+    await seedPool(api, 'wipe', numbers(20));
+    const allocated: string[] = [];
+    for (let i = 0; i < 5; i++) {
+      const r = await api.post('/v1/pools/wipe/reservations', { owner: `buyer-${i}`, count: 1 });
+      await api.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [r.body.items[0].resourceId] });
+      allocated.push(r.body.items[0].resourceId);
+    }
+    const client = redis.client();
+    await client.flushall();
+    client.disconnect();
+
+    const started = Date.now();
+    const taken: string[] = [];
+    await eventually(async () => {
+      const r = await api.post('/v1/pools/wipe/reservations', { owner: 'after-wipe', count: 1 });
+      if (r.status === 201) taken.push(r.body.items[0].resourceId);
+      return taken.length > 0;
+    }, 5000, 50);
+    // Take everything that is free now: exactly the 15 unallocated items, never an allocated one.
+    for (;;) {
+      const r = await api.post('/v1/pools/wipe/reservations', { owner: 'after-wipe', count: 1 });
+      if (r.status !== 201) {
+        expect(r.body.error.code).toBe('POOL_EXHAUSTED');
+        break;
+      }
+      taken.push(r.body.items[0].resourceId);
+    }
+    expect(Date.now() - started).toBeLessThan(5000);
+    expect(taken).toHaveLength(15);
+    expect(taken.filter((id) => allocated.includes(id))).toEqual([]);
+    const rows = await world.query(`SELECT count(*)::int AS n FROM t_resource WHERE state = 2`);
+    expect(rows[0].n).toBe(5);
+  });
+
+  it('a confirmed reservation stays confirmed after Redis is wiped: retries answer from Postgres', async () => {
+    await seedPool(api, 'durable', numbers(3));
+    const r = await api.post('/v1/pools/durable/reservations', { owner: 'payer', count: 3 });
+    const body = { resourceIds: [r.body.items[0].resourceId] };
+    const first = await api.post(`/v1/reservations/${r.body.id}/confirm`, body);
+    const client = redis.client();
+    await client.flushall();
+    client.disconnect();
+    const retry = await api.post(`/v1/reservations/${r.body.id}/confirm`, body);
+    expect(retry.status).toBe(200);
+    expect(retry.body).toEqual(first.body);
+    expect((await api.get(`/v1/reservations/${r.body.id}`)).body).toMatchObject({ state: 'confirmed', allocated: first.body.allocated });
+    const other = await api.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [r.body.items[1].resourceId] });
+    expect(other.body.error.code).toBe('RESERVATION_CLOSED');
+    await eventually(async () => (await stats('durable')).free === 2, 5000);
+  });
+
+  it('invariant 6: with Redis down, reserve and confirm answer 503 DEPENDENCY_UNAVAILABLE and change nothing', async () => {
+    await seedPool(api, 'redis-down', numbers(3));
+    const r = await api.post('/v1/pools/redis-down/reservations', { owner: 'payer', count: 2 });
+    await redis.stop();
+    try {
+      const reserve = await api.post('/v1/pools/redis-down/reservations', { owner: 'x', count: 1 });
+      expect(reserve.status).toBe(503);
+      expect(reserve.body.error.code).toBe('DEPENDENCY_UNAVAILABLE');
+      const confirm = await api.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [r.body.items[0].resourceId] });
+      expect(confirm.status).toBe(503);
+      const imported = await api.post('/v1/pools/redis-down/resources', { items: [{ value: 'new-one' }] });
+      expect(imported.status).toBe(503);
+      expect((await api.get('/health/ready')).status).toBe(503);
+      const rows = await world.query(
+        `SELECT count(*)::int AS n, count(*) FILTER (WHERE state = 2)::int AS allocated FROM t_resource r JOIN t_pool p ON p.id = r.pool_id WHERE p.name = 'redis-down'`,
+      );
+      expect(rows[0]).toEqual({ n: 3, allocated: 0 });
+    } finally {
+      await redis.start();
+    }
+    // Back up (empty, like a restart without persistence): rebuilt from Postgres by itself.
+    await eventually(async () => (await api.get('/health/ready')).status === 200, 5000);
+    await eventually(async () => (await stats('redis-down'))?.free === 3, 5000);
+  });
+
+  it('invariant 6: with Postgres unreachable, confirm answers 503 and allocates nothing; it succeeds once Postgres is back', async () => {
+    const proxy = await TcpProxy.start(5432);
+    const viaProxy = await world.start({
+      DATABASE_URL: `postgres://postgres@127.0.0.1:${proxy.port}/${world.dbName}`,
+      DB_TIMEOUT_MS: '1000',
+    });
+    await seedPool(viaProxy, 'pg-down', numbers(3));
+    const r = await viaProxy.post('/v1/pools/pg-down/reservations', { owner: 'payer', count: 2 });
+    const body = { resourceIds: [r.body.items[0].resourceId] };
+    await proxy.cut();
+    const started = Date.now();
+    const confirm = await viaProxy.post(`/v1/reservations/${r.body.id}/confirm`, body);
+    expect(confirm.status).toBe(503);
+    expect(confirm.body.error.code).toBe('DEPENDENCY_UNAVAILABLE');
+    expect(Date.now() - started).toBeLessThan(5000);
+    const created = await viaProxy.post('/v1/pools', { name: 'while-down', kind: 'number' });
+    expect(created.status).toBe(503);
+    const rows = await world.query(`SELECT count(*)::int AS n FROM t_resource WHERE state = 2 AND id = $1`, [body.resourceIds[0]]);
+    expect(rows[0].n).toBe(0);
+    await proxy.open();
+    const retry = await viaProxy.post(`/v1/reservations/${r.body.id}/confirm`, body);
+    expect(retry.status).toBe(200);
+    await viaProxy.close();
+    await proxy.cut();
+  });
+
+  it('invariant 4: holds of an instance that is gone come back to the pool after their expiry', async () => {
+    const doomed = await world.start();
+    await seedPool(doomed, 'crash', numbers(2));
+    const r = await doomed.post('/v1/pools/crash/reservations', { owner: 'victim', count: 2, ttlMs: 1000 });
+    expect(r.status).toBe(201);
+    await doomed.close();
+    const { value } = await eventually(async () => {
+      const again = await api.post('/v1/pools/crash/reservations', { owner: 'survivor', count: 2 });
+      return again.status === 201 ? again : null;
+    }, 4000);
+    expect(Date.now() - Date.parse(r.body.expiresAt)).toBeLessThan(2000);
+    expect(value.body.items).toHaveLength(2);
+  });
+
+  it('refuses to start when Redis may evict keys', async () => {
+    const evicting = await OwnRedis.start(['--maxmemory-policy', 'allkeys-lru']);
+    try {
+      await expect(createApp(world.config({ REDIS_URL: evicting.url }), { logger: false })).rejects.toThrow(/noeviction/);
+    } finally {
+      await evicting.stop();
+    }
+    await sleep(10);
+  });
+});
