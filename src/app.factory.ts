@@ -67,7 +67,6 @@ export async function createApp(config: AppConfig, options: { logger?: boolean }
   }
 
   app.useGlobalPipes(createValidationPipe());
-  app.enableShutdownHooks();
 
   const fastify = app.getHttpAdapter().getInstance();
   const metrics = app.get(MetricsService);

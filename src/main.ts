@@ -7,6 +7,22 @@ async function main(): Promise<void> {
   const config = loadConfig(process.env);
   const app = await createApp(config);
   await app.listen({ port: config.PORT, host: config.HOST });
+  // Graceful shutdown: stop accepting, let in-flight requests finish, stop the sweeper, close the pools.
+  for (const signal of ['SIGTERM', 'SIGINT'] as const) {
+    process.once(signal, () => {
+      setTimeout(() => {
+        console.error(`respool: shutdown took longer than ${config.SHUTDOWN_TIMEOUT_MS} ms; exiting`);
+        process.exit(1);
+      }, config.SHUTDOWN_TIMEOUT_MS).unref();
+      app.close().then(
+        () => process.exit(0),
+        (err: unknown) => {
+          console.error('respool: error during shutdown', err);
+          process.exit(1);
+        },
+      );
+    });
+  }
   console.log(JSON.stringify({ level: 30, msg: `respool listening on http://${config.HOST}:${config.PORT} (docs at /docs)` }));
 }
 
