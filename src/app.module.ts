@@ -26,7 +26,6 @@ import { SweeperService } from './sweeper/sweeper.service.js';
 import { TasksController } from './tasks/tasks.controller.js';
 import { TasksService } from './tasks/tasks.service.js';
 
-
 @Global()
 @Module({})
 class InfrastructureModule {
@@ -45,7 +44,17 @@ class InfrastructureModule {
         MetricsService,
         PoolCatalog,
       ],
-      exports: [AppConfig, REDIS, HoldStore, PoolRepository, ResourceRepository, CommitRepository, JobMutexRepository, MetricsService, PoolCatalog],
+      exports: [
+        AppConfig,
+        REDIS,
+        HoldStore,
+        PoolRepository,
+        ResourceRepository,
+        CommitRepository,
+        JobMutexRepository,
+        MetricsService,
+        PoolCatalog,
+      ],
     };
   }
 }

@@ -10,7 +10,8 @@ export class AllExceptionsFilter implements ExceptionFilter {
     const reply = host.switchToHttp().getResponse<FastifyReply>();
     const mapped = mapError(exception);
     if (mapped.internal) this.logger.error(exception instanceof Error ? exception.stack : String(exception));
-    else if (mapped.status === 503) this.logger.warn(`${mapped.body.error.message}: ${String((exception as { cause?: unknown }).cause ?? '')}`);
+    else if (mapped.status === 503)
+      this.logger.warn(`${mapped.body.error.message}: ${String((exception as { cause?: unknown }).cause ?? '')}`);
     void reply.status(mapped.status).header('content-type', 'application/json; charset=utf-8').send(mapped.body);
   }
 }

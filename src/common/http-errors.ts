@@ -37,7 +37,8 @@ export function mapError(err: unknown): MappedError {
   }
   if (status === 503) {
     // Terminus' readiness check: keep its per-dependency report.
-    const report = typeof (e as { getResponse?: () => unknown }).getResponse === 'function' ? (e as { getResponse: () => unknown }).getResponse() : {};
+    const report =
+      typeof (e as { getResponse?: () => unknown }).getResponse === 'function' ? (e as { getResponse: () => unknown }).getResponse() : {};
     return {
       status,
       body: errorBody(ErrorCode.DEPENDENCY_UNAVAILABLE, 'a dependency is unavailable', { report }),

@@ -2,8 +2,7 @@ import 'reflect-metadata';
 import { plainToInstance, Transform } from 'class-transformer';
 import { IsIn, IsInt, IsOptional, IsString, Matches, Max, Min, validateSync } from 'class-validator';
 
-const toInt = ({ value }: { value: unknown }) =>
-  typeof value === 'string' && /^-?\d+$/.test(value.trim()) ? Number(value) : value;
+const toInt = ({ value }: { value: unknown }) => (typeof value === 'string' && /^-?\d+$/.test(value.trim()) ? Number(value) : value);
 
 /**
  * Every setting the service reads, validated once at boot. The env var name is the
@@ -19,7 +18,10 @@ export class AppConfig {
   @Matches(/^rediss?:\/\/.+/, { message: 'REDIS_URL must be a redis:// URL' })
   REDIS_URL = 'redis://127.0.0.1:6379';
 
-  @Transform(toInt) @IsInt() @Min(0) @Max(65535)
+  @Transform(toInt)
+  @IsInt()
+  @Min(0)
+  @Max(65535)
   PORT = 3000;
 
   @IsString()
@@ -37,52 +39,88 @@ export class AppConfig {
   @IsIn(['true', 'false'])
   LOG_REQUESTS = 'true';
 
-  @Transform(toInt) @IsInt() @Min(1) @Max(200)
+  @Transform(toInt)
+  @IsInt()
+  @Min(1)
+  @Max(200)
   DB_POOL_SIZE = 10;
 
   /** Upper bound of every Postgres statement and of acquiring a connection, in ms. */
-  @Transform(toInt) @IsInt() @Min(100) @Max(600_000)
+  @Transform(toInt)
+  @IsInt()
+  @Min(100)
+  @Max(600_000)
   DB_TIMEOUT_MS = 5000;
 
   /** Upper bound of every Redis command, in ms. */
-  @Transform(toInt) @IsInt() @Min(50) @Max(600_000)
+  @Transform(toInt)
+  @IsInt()
+  @Min(50)
+  @Max(600_000)
   REDIS_TIMEOUT_MS = 2000;
 
   /** How often each instance returns expired holds to the pool. */
-  @Transform(toInt) @IsInt() @Min(20) @Max(10_000)
+  @Transform(toInt)
+  @IsInt()
+  @Min(20)
+  @Max(10_000)
   SWEEP_INTERVAL_MS = 250;
 
   /** How often one instance re-adds free Postgres rows missing from Redis (0 = only at start-up and when Redis was wiped). */
-  @Transform(toInt) @IsInt() @Min(0) @Max(86_400_000)
+  @Transform(toInt)
+  @IsInt()
+  @Min(0)
+  @Max(86_400_000)
   RECONCILE_INTERVAL_MS = 60_000;
 
   /** How long confirm/complete pins a hold while it commits to Postgres. */
-  @Transform(toInt) @IsInt() @Min(1000) @Max(600_000)
+  @Transform(toInt)
+  @IsInt()
+  @Min(1000)
+  @Max(600_000)
   COMMIT_WINDOW_MS = 15_000;
 
   /** How long a closed (confirmed, released, expired) reservation stays readable in Redis. */
-  @Transform(toInt) @IsInt() @Min(1000) @Max(30 * 86_400_000)
+  @Transform(toInt)
+  @IsInt()
+  @Min(1000)
+  @Max(30 * 86_400_000)
   RESERVATION_RETENTION_MS = 86_400_000;
 
   /** How long an Idempotency-Key is remembered. */
-  @Transform(toInt) @IsInt() @Min(1000) @Max(30 * 86_400_000)
+  @Transform(toInt)
+  @IsInt()
+  @Min(1000)
+  @Max(30 * 86_400_000)
   IDEMPOTENCY_TTL_MS = 86_400_000;
 
   /** Largest request body, in bytes (413 PAYLOAD_TOO_LARGE above it). */
-  @Transform(toInt) @IsInt() @Min(1024) @Max(104_857_600)
+  @Transform(toInt)
+  @IsInt()
+  @Min(1024)
+  @Max(104_857_600)
   BODY_LIMIT_BYTES = 8 * 1024 * 1024;
 
   /** Requests per second allowed per client address on each instance (0 = no limit). */
-  @Transform(toInt) @IsInt() @Min(0) @Max(10_000_000)
+  @Transform(toInt)
+  @IsInt()
+  @Min(0)
+  @Max(10_000_000)
   RATE_LIMIT_PER_SECOND = 0;
 
   /** Requests a client may burst above the rate (defaults to the rate). */
-  @Transform(toInt) @IsInt() @Min(0) @Max(10_000_000)
+  @Transform(toInt)
+  @IsInt()
+  @Min(0)
+  @Max(10_000_000)
   @IsOptional()
   RATE_LIMIT_BURST = 0;
 
   /** How long graceful shutdown waits for in-flight requests. */
-  @Transform(toInt) @IsInt() @Min(0) @Max(600_000)
+  @Transform(toInt)
+  @IsInt()
+  @Min(0)
+  @Max(600_000)
   SHUTDOWN_TIMEOUT_MS = 10_000;
 }
 

@@ -1,4 +1,4 @@
-import { DataSource, DataSourceOptions } from 'typeorm';
+import { DataSourceOptions } from 'typeorm';
 import { Init1763700000000 } from '../../migrations/1763700000000-Init.js';
 import { AppConfig } from '../config/app-config.js';
 import { ENTITIES } from './entities.js';

@@ -52,9 +52,7 @@ export class ResourceRepository {
   }
 
   async findById(poolId: string, id: string): Promise<ResourceRow | null> {
-    const rows: ResourceRow[] = await pg(() =>
-      this.db.query(`SELECT ${ROW} FROM t_resource WHERE pool_id = $1 AND id = $2`, [poolId, id]),
-    );
+    const rows: ResourceRow[] = await pg(() => this.db.query(`SELECT ${ROW} FROM t_resource WHERE pool_id = $1 AND id = $2`, [poolId, id]));
     return rows[0] ?? null;
   }
 
@@ -71,8 +69,8 @@ export class ResourceRepository {
     return pg(async () => {
       try {
         return await this.db.transaction(async (tx) => {
-        const updated: { id: string }[] = await tx.query(
-          `WITH chosen AS (
+          const updated: { id: string }[] = await tx.query(
+            `WITH chosen AS (
              SELECT * FROM unnest($2::bigint[], $3::int[]) AS c(id, version)
            ), upd AS (
              UPDATE t_resource r
@@ -85,21 +83,21 @@ export class ResourceRepository {
              SELECT id, $1, 'allocate', $4, $5, version FROM upd
            )
            SELECT id::text AS id FROM upd`,
-          [a.poolId, a.items.map((i) => i.id), a.items.map((i) => i.version), a.owner, a.reservationId],
-        );
-        if (updated.length !== a.items.length) {
-          throw new AllocationAborted('conflict');
-        }
-        try {
-          await tx.query(
-            `INSERT INTO t_commit (reservation_id, pool_id, owner, resource_ids, body) VALUES ($1, $2, $3, $4::bigint[], $5)`,
-            [a.reservationId, a.poolId, a.owner, a.items.map((i) => i.id), JSON.stringify(a.body)],
+            [a.poolId, a.items.map((i) => i.id), a.items.map((i) => i.version), a.owner, a.reservationId],
           );
-        } catch (err) {
-          if (sqlState(err) === '23505') throw new AllocationAborted('duplicate');
-          throw err;
-        }
-        return 'committed' as const;
+          if (updated.length !== a.items.length) {
+            throw new AllocationAborted('conflict');
+          }
+          try {
+            await tx.query(
+              `INSERT INTO t_commit (reservation_id, pool_id, owner, resource_ids, body) VALUES ($1, $2, $3, $4::bigint[], $5)`,
+              [a.reservationId, a.poolId, a.owner, a.items.map((i) => i.id), JSON.stringify(a.body)],
+            );
+          } catch (err) {
+            if (sqlState(err) === '23505') throw new AllocationAborted('duplicate');
+            throw err;
+          }
+          return 'committed' as const;
         });
       } catch (err) {
         if (err instanceof AllocationAborted) return err.result;
@@ -130,10 +128,11 @@ export class ResourceRepository {
   /** One page of the pool's free rows, in id order, for the rebuild of the free index. */
   freePage(poolId: string, afterId: string, limit: number): Promise<ResourceRow[]> {
     return pg(() =>
-      this.db.query(
-        `SELECT ${ROW} FROM t_resource WHERE pool_id = $1 AND state = 1 AND id > $2 ORDER BY id LIMIT $3`,
-        [poolId, afterId, limit],
-      ),
+      this.db.query(`SELECT ${ROW} FROM t_resource WHERE pool_id = $1 AND state = 1 AND id > $2 ORDER BY id LIMIT $3`, [
+        poolId,
+        afterId,
+        limit,
+      ]),
     );
   }
 }

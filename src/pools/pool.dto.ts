@@ -56,7 +56,11 @@ export class CreatePoolDto {
   @Max(MAX_TTL_MS)
   maxHoldTtlMs?: number;
 
-  @ApiPropertyOptional({ description: 'Most items one owner may hold at once in this pool; omitted or null = no limit', nullable: true, minimum: 1 })
+  @ApiPropertyOptional({
+    description: 'Most items one owner may hold at once in this pool; omitted or null = no limit',
+    nullable: true,
+    minimum: 1,
+  })
   @IsOptional()
   @IsInt()
   @Min(1)

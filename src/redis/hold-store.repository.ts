@@ -56,9 +56,7 @@ export type PinResult =
   | { status: 'missing' | 'closed' }
   | { status: 'notin' | 'lost'; resourceId: string };
 
-export type ReleaseResult =
-  | { status: 'released' | 'confirmed'; reservation: StoredReservation }
-  | { status: 'busy' | 'missing' };
+export type ReleaseResult = { status: 'released' | 'confirmed'; reservation: StoredReservation } | { status: 'busy' | 'missing' };
 
 export type ExtendResult = { status: 'extended'; reservation: StoredReservation } | { status: 'expired' | 'closed' | 'missing' };
 

@@ -88,7 +88,12 @@ export class CommitService {
     if (row) {
       const committed = row.body as unknown as CommitOutcome;
       const committedIds = new Set(committed.selection);
-      await this.finishQuietly(pool, r.id, r.items.filter((i) => committedIds.has(i.id)), committed);
+      await this.finishQuietly(
+        pool,
+        r.id,
+        r.items.filter((i) => committedIds.has(i.id)),
+        committed,
+      );
       return sameSelection(committed, selection);
     }
     this.metrics.confirmConflicts.inc({ reason: 'version_changed' });
@@ -133,7 +138,12 @@ export class CommitService {
     if (row) {
       const committed = row.body as unknown as CommitOutcome;
       const ids = new Set(committed.selection);
-      await this.holds.finish(pool.name, reservationId, r.items.filter((i) => ids.has(i.id)), committed as unknown as Record<string, unknown>);
+      await this.holds.finish(
+        pool.name,
+        reservationId,
+        r.items.filter((i) => ids.has(i.id)),
+        committed as unknown as Record<string, unknown>,
+      );
       return 'finished';
     }
     await this.abortWithTruth(pool, r);

@@ -136,7 +136,11 @@ export class ReservationDto {
 }
 
 export class ConfirmDto {
-  @ApiProperty({ description: 'The ids of the items to allocate (1-100, each held by this reservation)', type: [String], example: ['5780'] })
+  @ApiProperty({
+    description: 'The ids of the items to allocate (1-100, each held by this reservation)',
+    type: [String],
+    example: ['5780'],
+  })
   @IsArray()
   @ArrayMinSize(1)
   @ArrayMaxSize(100)

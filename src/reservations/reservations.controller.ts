@@ -14,7 +14,11 @@ export class ReservationsController {
 
   @Post('v1/pools/:pool/reservations')
   @ApiOperation({ summary: 'Hold `count` free items for an owner, all or nothing' })
-  @ApiHeader({ name: 'Idempotency-Key', required: false, description: 'Repeat the call with the same key and body to get the same reservation (200)' })
+  @ApiHeader({
+    name: 'Idempotency-Key',
+    required: false,
+    description: 'Repeat the call with the same key and body to get the same reservation (200)',
+  })
   @ApiCreatedResponse({ type: ReservationDto, description: 'Items held' })
   @ApiOkResponse({ type: ReservationDto, description: 'Replay of an earlier call with the same Idempotency-Key' })
   @ApiErrors(

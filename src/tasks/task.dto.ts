@@ -44,7 +44,10 @@ export class TaskLeaseDto {
 }
 
 export class HeartbeatDto {
-  @ApiPropertyOptional({ description: "New lease time from now, ms (capped by the pool's maxHoldTtlMs); default the pool's holdTtlMs", minimum: 1000 })
+  @ApiPropertyOptional({
+    description: "New lease time from now, ms (capped by the pool's maxHoldTtlMs); default the pool's holdTtlMs",
+    minimum: 1000,
+  })
   @IsOptional()
   @IsInt()
   @Min(1000)

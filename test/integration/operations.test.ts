@@ -26,7 +26,9 @@ describe('operations: health, metrics, OpenAPI, request ids', () => {
     expect(metrics.status).toBe(200);
     expect(metrics.headers.get('content-type')).toMatch(/text\/plain/);
     const text = metrics.body as string;
-    expect(text).toMatch(/respool_http_request_duration_seconds_count\{method="POST",route="\/v1\/pools\/:pool\/reservations",status="201"\} 1/);
+    expect(text).toMatch(
+      /respool_http_request_duration_seconds_count\{method="POST",route="\/v1\/pools\/:pool\/reservations",status="201"\} 1/,
+    );
     expect(text).toContain('respool_reservations_total{pool="metered",outcome="ok"} 1');
     expect(text).toContain('respool_reservations_total{pool="metered",outcome="exhausted"} 1');
     expect(text).toContain('respool_pool_items{pool="metered",state="free"} 2');

@@ -16,9 +16,21 @@ describe('pools and resources', () => {
   it('creates a pool with the documented defaults and refuses a taken name', async () => {
     const created = await api.post('/v1/pools', { name: 'phone-bj', kind: 'number' });
     expect(created.status).toBe(201);
-    expect(created.body).toMatchObject({ name: 'phone-bj', kind: 'number', holdTtlMs: 600_000, maxHoldTtlMs: 3_600_000, maxHoldsPerOwner: null });
+    expect(created.body).toMatchObject({
+      name: 'phone-bj',
+      kind: 'number',
+      holdTtlMs: 600_000,
+      maxHoldTtlMs: 3_600_000,
+      maxHoldsPerOwner: null,
+    });
     expect(Date.parse(created.body.createdAt)).toBeGreaterThan(Date.now() - 60_000);
-    const full = await api.post('/v1/pools', { name: 'phone-sh', kind: 'number', holdTtlMs: 900_000, maxHoldTtlMs: 3_600_000, maxHoldsPerOwner: 10 });
+    const full = await api.post('/v1/pools', {
+      name: 'phone-sh',
+      kind: 'number',
+      holdTtlMs: 900_000,
+      maxHoldTtlMs: 3_600_000,
+      maxHoldsPerOwner: 10,
+    });
     expect(full.body).toMatchObject({ holdTtlMs: 900_000, maxHoldsPerOwner: 10 });
     const taken = await api.post('/v1/pools', { name: 'phone-bj', kind: 'task' });
     expect(taken.status).toBe(409);
@@ -61,7 +73,9 @@ describe('pools and resources', () => {
     });
     expect(first.status).toBe(201);
     expect(first.body).toEqual({ inserted: 2, duplicates: 1 });
-    const second = await api.post('/v1/pools/import/resources', { items: [{ value: '13800138000', attributes: { city: 'sh' } }, { value: '13800138002' }] });
+    const second = await api.post('/v1/pools/import/resources', {
+      items: [{ value: '13800138000', attributes: { city: 'sh' } }, { value: '13800138002' }],
+    });
     expect(second.body).toEqual({ inserted: 1, duplicates: 1 });
     const [row] = await world.query(`SELECT attributes FROM t_resource WHERE value = '13800138000'`);
     expect(row.attributes).toEqual({ city: 'bj' });
@@ -96,7 +110,15 @@ describe('pools and resources', () => {
   it('reads a resource as free, held and allocated; unknown ids are 404 RESOURCE_NOT_FOUND', async () => {
     await seedPool(api, 'states', numbers(1));
     const [{ id }] = await world.query(`SELECT r.id::text FROM t_resource r JOIN t_pool p ON p.id = r.pool_id WHERE p.name = 'states'`);
-    expect((await api.get(`/v1/pools/states/resources/${id}`)).body).toMatchObject({ id, pool: 'states', state: 'free', version: 0, owner: null, groupKey: null, attributes: {} });
+    expect((await api.get(`/v1/pools/states/resources/${id}`)).body).toMatchObject({
+      id,
+      pool: 'states',
+      state: 'free',
+      version: 0,
+      owner: null,
+      groupKey: null,
+      attributes: {},
+    });
     const r = await api.post('/v1/pools/states/reservations', { owner: 'u' });
     expect((await api.get(`/v1/pools/states/resources/${id}`)).body.state).toBe('held');
     await api.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [id] });

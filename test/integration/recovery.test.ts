@@ -37,11 +37,15 @@ describe('recovery: Redis wiped or down, Postgres down, an instance gone', () =>
 
     const started = Date.now();
     const taken: string[] = [];
-    await eventually(async () => {
-      const r = await api.post('/v1/pools/wipe/reservations', { owner: 'after-wipe', count: 1 });
-      if (r.status === 201) taken.push(r.body.items[0].resourceId);
-      return taken.length > 0;
-    }, 5000, 50);
+    await eventually(
+      async () => {
+        const r = await api.post('/v1/pools/wipe/reservations', { owner: 'after-wipe', count: 1 });
+        if (r.status === 201) taken.push(r.body.items[0].resourceId);
+        return taken.length > 0;
+      },
+      5000,
+      50,
+    );
     // Take everything that is free now: exactly the 15 unallocated items, never an allocated one.
     for (;;) {
       const r = await api.post('/v1/pools/wipe/reservations', { owner: 'after-wipe', count: 1 });

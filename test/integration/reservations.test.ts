@@ -122,10 +122,14 @@ describe('reservations', () => {
     expect(r.status).toBe(201);
     expect((await reserve('expiry', { owner: 'other', count: 1 })).body.error.code).toBe('POOL_EXHAUSTED');
     const expiresAt = Date.parse(r.body.expiresAt);
-    const { value } = await eventually(async () => {
-      const again = await reserve('expiry', { owner: 'other', count: 1 });
-      return again.status === 201 ? again : null;
-    }, 4000, 50);
+    const { value } = await eventually(
+      async () => {
+        const again = await reserve('expiry', { owner: 'other', count: 1 });
+        return again.status === 201 ? again : null;
+      },
+      4000,
+      50,
+    );
     expect(Date.now() - expiresAt).toBeLessThan(2000);
     expect(value.body.items[0].resourceId).toBe(r.body.items[0].resourceId);
     expect((await api.get(`/v1/reservations/${r.body.id}`)).body.state).toBe('expired');

@@ -20,7 +20,10 @@ describe('review tasks', () => {
     api.post(`/v1/pools/${pool}/tasks/next`, leaseMs ? { reviewer, leaseMs } : { reviewer });
 
   it('45 concurrent pulls on 30 tasks give 30 distinct tasks and 15 × 204', async () => {
-    await taskPool('review', Array.from({ length: 30 }, (_, i) => ({ value: `task-${i}` })));
+    await taskPool(
+      'review',
+      Array.from({ length: 30 }, (_, i) => ({ value: `task-${i}` })),
+    );
     const answers = await Promise.all(Array.from({ length: 45 }, (_, i) => next(i % 2 ? a : b, 'review', `r-${i}`)));
     const leased = answers.filter((r) => r.status === 200);
     expect(leased).toHaveLength(30);
@@ -74,7 +77,7 @@ describe('review tasks', () => {
     expect((await a.post(`/v1/tasks/${kept.body.leaseId}/complete`)).status).toBe(200);
   });
 
-  it("prefers a task from a group the reviewer already leases in", async () => {
+  it('prefers a task from a group the reviewer already leases in', async () => {
     const tasks = [];
     for (const g of ['g1', 'g2', 'g3', 'g4']) for (let i = 0; i < 5; i++) tasks.push({ value: `${g}-task-${i}`, groupKey: g });
     await taskPool('grouped', tasks);

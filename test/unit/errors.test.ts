@@ -18,7 +18,11 @@ describe('mapError', () => {
 
   it('turns unknown errors into a 500 that leaks nothing', () => {
     const mapped = mapError(new TypeError('secret internals at /srv/app.js:12'));
-    expect(mapped).toEqual({ status: 500, body: { error: { code: 'INTERNAL_ERROR', message: 'internal error', details: {} } }, internal: true });
+    expect(mapped).toEqual({
+      status: 500,
+      body: { error: { code: 'INTERNAL_ERROR', message: 'internal error', details: {} } },
+      internal: true,
+    });
   });
 
   it('maps framework errors: unknown route, body too large, malformed JSON, readiness failure', () => {

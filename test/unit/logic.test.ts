@@ -41,9 +41,17 @@ describe('idempotency body hash', () => {
 
 describe('validation errors', () => {
   it('flattens nested errors into field paths with reasons', () => {
-    const child = Object.assign(new ValidationError(), { property: 'attributes', constraints: { flat: 'attributes must be flat' }, children: [] });
+    const child = Object.assign(new ValidationError(), {
+      property: 'attributes',
+      constraints: { flat: 'attributes must be flat' },
+      children: [],
+    });
     const parent = Object.assign(new ValidationError(), { property: 'filter', children: [child] });
-    const count = Object.assign(new ValidationError(), { property: 'count', constraints: { max: 'too big', int: 'not an integer' }, children: [] });
+    const count = Object.assign(new ValidationError(), {
+      property: 'count',
+      constraints: { max: 'too big', int: 'not an integer' },
+      children: [],
+    });
     expect(flattenValidationErrors([parent, count])).toEqual([
       { field: 'filter.attributes', reason: 'attributes must be flat' },
       { field: 'count', reason: 'too big; not an integer' },

@@ -1,0 +1,143 @@
+import type { Redis } from 'ioredis';
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { PoolRepository } from '../../src/database/pool.repository.js';
+import { ResourceRepository } from '../../src/database/resource.repository.js';
+import { HoldStore } from '../../src/redis/hold-store.repository.js';
+import { REDIS } from '../../src/redis/redis.client.js';
+import { TestInstance, TestWorld, eventually, numbers, seedPool, sleep } from '../support/harness.js';
+
+// One atomic snapshot of a pool's holds (a script runs alone in Redis): for every reservation that
+// is held or committing, the items whose hold key names it; and the free index.
+const SNAPSHOT = `
+local base = ARGV[1]
+local held = {}
+for _, key in ipairs(redis.call('KEYS', base .. 'r:*')) do
+  local state = redis.call('HGET', key, 's')
+  if state == 'held' or state == 'confirming' then
+    local rid = string.sub(key, #base + 3)
+    for _, item in ipairs(cjson.decode(redis.call('HGET', key, 'i'))) do
+      if redis.call('GET', base .. 'h:' .. item.id) == rid then held[#held + 1] = item.id .. ' ' .. rid end
+    end
+  end
+end
+return { held, redis.call('ZRANGE', base .. 'free', 0, -1) }`;
+
+/** Every live hold in Redis: item id -> reservation ids holding it; and the ids in the free index. */
+async function liveHolds(redis: Redis, prefix: string, pool: string) {
+  const [held, free] = (await redis.eval(SNAPSHOT, 0, `${prefix}{${pool}}:`)) as [string[], string[]];
+  const holders = new Map<string, string[]>();
+  for (const entry of held) {
+    const [id, rid] = entry.split(' ');
+    holders.set(id, [...(holders.get(id) ?? []), rid]);
+  }
+  return { holders, free: free.map((m) => m.slice(m.lastIndexOf('\0') + 1)) };
+}
+
+describe('invariants 1-4 checked against the stores', () => {
+  const world = new TestWorld('invariants');
+  let a: TestInstance;
+  let b: TestInstance;
+
+  beforeAll(async () => {
+    a = await world.start({ COMMIT_WINDOW_MS: '1000' });
+    b = await world.start({ COMMIT_WINDOW_MS: '1000' });
+  });
+  afterAll(() => world.cleanup());
+
+  it('invariant 1: under churn with expiries, no item is ever under two live holds nor free while held', async () => {
+    await seedPool(a, 'exclusive', numbers(40));
+    const redis = a.app.get<Redis>(REDIS);
+    const deadline = Date.now() + 3000;
+    const violations: string[] = [];
+    let samplesWithHolds = 0;
+    const sampler = (async () => {
+      while (Date.now() < deadline) {
+        const { holders, free } = await liveHolds(redis, world.prefix, 'exclusive');
+        if (holders.size > 0) samplesWithHolds++;
+        for (const [id, rids] of holders) if (rids.length > 1) violations.push(`${id} held by ${rids.join(',')}`);
+        for (const id of free) if (holders.has(id)) violations.push(`${id} free and held`);
+        await sleep(20);
+      }
+    })();
+    const clients = Array.from({ length: 20 }, async (_, c) => {
+      let n = 0;
+      while (Date.now() < deadline) {
+        const api = c % 2 ? a : b;
+        const r = await api.post('/v1/pools/exclusive/reservations', { owner: `c${c}`, count: 2, ttlMs: 1000 });
+        if (r.status === 201 && n++ % 3 === 0) await api.del(`/v1/reservations/${r.body.id}`);
+        await sleep(10);
+      }
+    });
+    await Promise.all([sampler, ...clients]);
+    expect(samplesWithHolds).toBeGreaterThan(5);
+    expect(violations).toEqual([]);
+  });
+
+  it('invariant 3: a confirm that arrives just before expiresAt succeeds, while others compete for the pool', async () => {
+    await seedPool(a, 'honoured', numbers(3));
+    const r = await a.post('/v1/pools/honoured/reservations', { owner: 'just-in-time', count: 3, ttlMs: 1000 });
+    const hammer = (async () => {
+      const stop = Date.now() + 1500;
+      while (Date.now() < stop) await b.post('/v1/pools/honoured/reservations', { owner: 'rival', count: 1 });
+    })();
+    await sleep(Math.max(0, Date.parse(r.body.expiresAt) - Date.now() - 150));
+    const confirmed = await a.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [r.body.items[2].resourceId] });
+    await hammer;
+    expect(confirmed.status).toBe(200);
+    const [row] = await world.query(`SELECT state, owner FROM t_resource WHERE id = $1`, [r.body.items[2].resourceId]);
+    expect(row).toEqual({ state: 2, owner: 'just-in-time' });
+  });
+
+  it('invariant 4: a confirm whose instance died after pinning the holds is rolled back; the items return', async () => {
+    await seedPool(a, 'died-pinned', numbers(2));
+    const r = await a.post('/v1/pools/died-pinned/reservations', { owner: 'ghost', count: 2 });
+    // The instance pins the holds for its commit, then dies before reaching Postgres.
+    const pinned = await a.app.get(HoldStore).pin('died-pinned', r.body.id, [r.body.items[0].resourceId], 1000);
+    expect(pinned.status).toBe('pinned');
+    const { elapsedMs } = await eventually(async () => (await b.get('/v1/pools/died-pinned')).body.stats.free === 2, 5000);
+    expect(elapsedMs).toBeLessThan(3000);
+    expect((await b.get(`/v1/reservations/${r.body.id}`)).body.state).toBe('expired');
+    const rows = await world.query(
+      `SELECT count(*)::int AS n FROM t_resource r JOIN t_pool p ON p.id = r.pool_id WHERE p.name = 'died-pinned' AND r.state = 2`,
+    );
+    expect(rows[0].n).toBe(0);
+  });
+
+  it('invariant 4: a confirm whose instance died after the Postgres commit is finished by the sweeper', async () => {
+    await seedPool(a, 'died-committed', numbers(3));
+    const r = await a.post('/v1/pools/died-committed/reservations', { owner: 'ghost', count: 3 });
+    const chosen = r.body.items[1];
+    const holds = a.app.get(HoldStore);
+    await holds.pin('died-committed', r.body.id, [chosen.resourceId], 1000);
+    const pool = await a.app.get(PoolRepository).findByName('died-committed');
+    const body = {
+      selection: [chosen.resourceId],
+      allocated: [{ resourceId: chosen.resourceId, value: chosen.value, version: chosen.version + 1 }],
+      released: r.body.items.filter((i: { resourceId: string }) => i !== chosen).map((i: { resourceId: string }) => i.resourceId),
+      owner: 'ghost',
+      items: [],
+      expiresMs: Date.parse(r.body.expiresAt),
+    };
+    const committed = await a.app.get(ResourceRepository).allocate({
+      poolId: pool!.id,
+      owner: 'ghost',
+      reservationId: r.body.id,
+      items: [{ id: chosen.resourceId, version: chosen.version }],
+      body,
+    });
+    expect(committed).toBe('committed');
+    // ...and dies before its last Redis step. The sweeper finds the commit row and finishes it.
+    await eventually(async () => (await b.get(`/v1/reservations/${r.body.id}`)).body.state === 'confirmed', 5000);
+    expect((await b.get('/v1/pools/died-committed')).body.stats).toEqual({ total: 3, free: 2, held: 0, allocated: 1 });
+    const retry = await b.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [chosen.resourceId] });
+    expect(retry.status).toBe(200);
+    expect(retry.body.allocated).toEqual(body.allocated);
+    const taken = [];
+    for (;;) {
+      const t = await b.post('/v1/pools/died-committed/reservations', { owner: 'next', count: 1 });
+      if (t.status !== 201) break;
+      taken.push(t.body.items[0].resourceId);
+    }
+    expect(taken.sort()).toEqual(body.released.sort());
+  });
+});
