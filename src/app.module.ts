@@ -30,31 +30,16 @@ import { TasksService } from './tasks/tasks.service.js';
 @Module({})
 class InfrastructureModule {
   static forRoot(config: AppConfig): DynamicModule {
+    const shared = [HoldStore, PoolRepository, ResourceRepository, CommitRepository, JobMutexRepository, MetricsService, PoolCatalog];
     return {
       module: InfrastructureModule,
       providers: [
         { provide: AppConfig, useValue: config },
         // The connection is opened (and Redis' eviction policy checked) by createApp before Nest starts.
         { provide: REDIS, useFactory: () => createRedis(config) },
-        HoldStore,
-        PoolRepository,
-        ResourceRepository,
-        CommitRepository,
-        JobMutexRepository,
-        MetricsService,
-        PoolCatalog,
+        ...shared,
       ],
-      exports: [
-        AppConfig,
-        REDIS,
-        HoldStore,
-        PoolRepository,
-        ResourceRepository,
-        CommitRepository,
-        JobMutexRepository,
-        MetricsService,
-        PoolCatalog,
-      ],
+      exports: [AppConfig, REDIS, ...shared],
     };
   }
 }
