@@ -133,6 +133,7 @@ describe('reservations', () => {
     expect(Date.now() - expiresAt).toBeLessThan(2000);
     expect(value.body.items[0].resourceId).toBe(r.body.items[0].resourceId);
     expect((await api.get(`/v1/reservations/${r.body.id}`)).body.state).toBe('expired');
+    expect((await api.get('/metrics')).body).toContain('respool_expired_holds_total{pool="expiry"} 1');
   });
 
   it('a confirm after expiry succeeds for an item nobody took meanwhile', async () => {
@@ -158,6 +159,7 @@ describe('reservations', () => {
     const lost = await api.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [r.body.items[0].resourceId] });
     expect(lost.status).toBe(409);
     expect(lost.body.error.code).toBe('HOLD_LOST');
+    expect((await api.get('/metrics')).body).toMatch(/respool_confirm_conflicts_total\{reason="hold_taken"\} [1-9]/);
     expect(await dbRow(r.body.items[0].resourceId)).toEqual({ state: 1, version: 0, owner: null });
     // The new holder still gets it.
     const won = await api.post(`/v1/reservations/${thief.body.id}/confirm`, { resourceIds: [r.body.items[0].resourceId] });

@@ -1,0 +1,64 @@
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { JobMutexRepository } from '../../src/database/job-mutex.repository.js';
+import { RebuildService } from '../../src/sweeper/rebuild.service.js';
+import { TestInstance, TestWorld, numbers, seedPool } from '../support/harness.js';
+
+describe('rebuild of Redis from Postgres, one instance at a time', () => {
+  const world = new TestWorld('rebuild');
+  let a: TestInstance;
+  let b: TestInstance;
+
+  beforeAll(async () => {
+    a = await world.start({ RECONCILE_INTERVAL_MS: '0' });
+    b = await world.start({ RECONCILE_INTERVAL_MS: '0' });
+  });
+  afterAll(() => world.cleanup());
+
+  it('t_job_mutex: the version CAS lets one holder in, until it releases or its lease runs out', async () => {
+    const mutex = a.app.get(JobMutexRepository);
+    expect(await mutex.tryAcquire('test-job', 'instance-a', 60_000)).toBe(true);
+    expect(await mutex.tryAcquire('test-job', 'instance-b', 60_000)).toBe(false);
+    expect(await mutex.tryAcquire('test-job', 'instance-a', 60_000)).toBe(true); // renewal by the holder
+    await mutex.release('test-job', 'instance-a');
+    expect(await mutex.tryAcquire('test-job', 'instance-b', 60_000)).toBe(true);
+    await world.query(`UPDATE t_job_mutex SET update_time = now() - interval '2 minutes' WHERE job_type = 'test-job'`);
+    expect(await mutex.tryAcquire('test-job', 'instance-c', 60_000)).toBe(true); // the stale holder is replaced
+    const [row] = await world.query(`SELECT holder, version::int AS version FROM t_job_mutex WHERE job_type = 'test-job'`);
+    expect(row).toEqual({ holder: 'instance-c', version: 5 });
+  });
+
+  it('concurrent attempts elect exactly one instance', async () => {
+    const attempts = await Promise.all(
+      Array.from({ length: 10 }, (_, i) => (i % 2 ? a : b).app.get(JobMutexRepository).tryAcquire('race', `i-${i}`, 60_000)),
+    );
+    expect(attempts.filter(Boolean)).toHaveLength(1);
+  });
+
+  it('re-adds free rows missing from Redis, skips held and allocated ones, and runs on one instance at a time', async () => {
+    await seedPool(a, 'rebuilt', numbers(6));
+    const held = await a.post('/v1/pools/rebuilt/reservations', { owner: 'h', count: 2 });
+    const bought = await a.post('/v1/pools/rebuilt/reservations', { owner: 'b', count: 1 });
+    await a.post(`/v1/reservations/${bought.body.id}/confirm`, { resourceIds: [bought.body.items[0].resourceId] });
+    // Drop the free index only: three free items are now missing from Redis.
+    const redis = (await import('ioredis')).Redis;
+    const client = new redis(a.config.REDIS_URL);
+    await client.del(`${world.prefix}{rebuilt}:free`);
+    client.disconnect();
+    expect((await a.get('/v1/pools/rebuilt')).body.stats.free).toBe(0);
+
+    // While another instance holds the job, this one does not rebuild.
+    const mutex = a.app.get(JobMutexRepository);
+    expect(await mutex.tryAcquire('rebuild', 'another-instance', 60_000)).toBe(true);
+    expect(await b.app.get(RebuildService).rebuild('periodic')).toBeNull();
+    expect((await a.get('/v1/pools/rebuilt')).body.stats.free).toBe(0);
+    await mutex.release('rebuild', 'another-instance');
+    expect(await b.app.get(RebuildService).rebuild('periodic')).toBe(3);
+    expect((await a.get('/v1/pools/rebuilt')).body.stats).toEqual({ total: 6, free: 3, held: 2, allocated: 1 });
+    const again = await a.post('/v1/pools/rebuilt/reservations', { owner: 'n', count: 3 });
+    const heldIds = held.body.items.map((i: { resourceId: string }) => i.resourceId);
+    for (const item of again.body.items) {
+      expect(heldIds).not.toContain(item.resourceId);
+      expect(item.resourceId).not.toBe(bought.body.items[0].resourceId);
+    }
+  });
+});
