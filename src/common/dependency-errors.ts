@@ -19,7 +19,7 @@ export function isPostgresOutage(err: unknown): boolean {
 }
 
 // Redis replies that mean "not now" rather than "wrong command".
-const REDIS_TRANSIENT_REPLY = /^(LOADING|BUSY|READONLY|MASTERDOWN|TRYAGAIN|CLUSTERDOWN|MOVED|ASK)\b/;
+const REDIS_TRANSIENT_REPLY = /^(LOADING|BUSY|READONLY|MASTERDOWN|TRYAGAIN|CLUSTERDOWN|MOVED|ASK|OOM)\b/;
 
 /** A Redis error is an outage unless Redis itself replied with an error about the command or script. */
 export function isRedisOutage(err: unknown): boolean {

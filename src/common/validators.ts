@@ -1,8 +1,26 @@
 import { ValidationOptions, registerDecorator } from 'class-validator';
 
 export const POOL_NAME = /^[a-z0-9][a-z0-9_-]{0,62}$/;
-/** Resource ids are Postgres bigints, sent as decimal strings. */
+/** Resource ids are Postgres bigints, sent as decimal strings: 1 to 9223372036854775807. */
 export const RESOURCE_ID = /^[1-9][0-9]{0,18}$/;
+const BIGINT_MAX = 9223372036854775807n;
+
+export function isResourceId(value: unknown): boolean {
+  return typeof value === 'string' && RESOURCE_ID.test(value) && BigInt(value) <= BIGINT_MAX;
+}
+
+/** A resource id (or, with `each`, an array of them). */
+export function IsResourceId(options?: ValidationOptions): PropertyDecorator {
+  return (target: object, propertyName: string | symbol) => {
+    registerDecorator({
+      name: 'isResourceId',
+      target: target.constructor,
+      propertyName: String(propertyName),
+      options: { message: options?.each ? 'each value in $property must be a resource id' : '$property must be a resource id', ...options },
+      validator: { validate: isResourceId },
+    });
+  };
+}
 
 const MAX_ATTRIBUTES = 32;
 

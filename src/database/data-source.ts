@@ -1,9 +1,10 @@
 import { DataSourceOptions } from 'typeorm';
 import { Init1763700000000 } from '../../migrations/1763700000000-Init.js';
+import { CommitDecision1763800000000 } from '../../migrations/1763800000000-CommitDecision.js';
 import { AppConfig } from '../config/app-config.js';
 import { ENTITIES } from './entities.js';
 
-export const MIGRATIONS = [Init1763700000000];
+export const MIGRATIONS = [Init1763700000000, CommitDecision1763800000000];
 
 export function dataSourceOptions(config: AppConfig): DataSourceOptions {
   return {
@@ -20,6 +21,8 @@ export function dataSourceOptions(config: AppConfig): DataSourceOptions {
     extra: {
       // Bound every statement on the server and on the client: a request never hangs on Postgres.
       statement_timeout: config.DB_TIMEOUT_MS,
+      // A process paused inside a transaction (GC, SIGSTOP) must not keep row locks: Postgres ends its session.
+      idle_in_transaction_session_timeout: config.DB_TIMEOUT_MS,
       query_timeout: config.DB_TIMEOUT_MS + 1000,
       connectionTimeoutMillis: config.DB_TIMEOUT_MS,
       idleTimeoutMillis: 30_000,

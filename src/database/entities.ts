@@ -116,6 +116,22 @@ export class CommitEntity {
   createdAt: Date;
 }
 
+/** Who ended a commit attempt (epoch) of a reservation: its commit, or the sweeper's abort. */
+@Entity({ name: 't_commit_decision' })
+export class CommitDecisionEntity {
+  @PrimaryColumn({ name: 'reservation_id', type: 'text' })
+  reservationId: string;
+
+  @PrimaryColumn({ type: 'integer' })
+  epoch: number;
+
+  @Column({ type: 'text' })
+  decision: 'commit' | 'abort';
+
+  @CreateDateColumn({ name: 'created_at', type: 'timestamptz' })
+  createdAt: Date;
+}
+
 /** Run-once jobs across instances: a version CAS on this row elects the instance that runs the job. */
 @Entity({ name: 't_job_mutex' })
 export class JobMutexEntity {
@@ -132,4 +148,4 @@ export class JobMutexEntity {
   updateTime: Date;
 }
 
-export const ENTITIES = [PoolEntity, ResourceEntity, AllocationHistoryEntity, CommitEntity, JobMutexEntity];
+export const ENTITIES = [PoolEntity, ResourceEntity, AllocationHistoryEntity, CommitEntity, CommitDecisionEntity, JobMutexEntity];

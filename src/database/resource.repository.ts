@@ -23,14 +23,20 @@ export interface Allocation {
   poolId: string;
   owner: string;
   reservationId: string;
+  /** The reservation's commit epoch: Postgres records that this epoch ended in a commit. */
+  epoch: number;
   /** The items to allocate, each with the version the hold was taken at (the fencing token). */
   items: { id: string; version: number }[];
   /** The confirm/complete answer, stored so that retries get the same body. */
   body: Record<string, unknown>;
 }
 
-/** `committed`: allocated now. `conflict`: a version check failed, nothing changed. `duplicate`: this reservation was committed before. */
-export type AllocationResult = 'committed' | 'conflict' | 'duplicate';
+/**
+ * `committed`: allocated now. `conflict`: a version check failed, nothing changed. `duplicate`: this
+ * reservation was committed before. `decided`: this commit epoch was already ended (committed by a
+ * concurrent confirm, or given up by the sweeper); nothing changed.
+ */
+export type AllocationResult = 'committed' | 'conflict' | 'duplicate' | 'decided';
 
 const ROW = `id::text AS id, value, state, version, owner, group_key AS "groupKey", attributes, update_time AS "updatedAt"`;
 
@@ -69,25 +75,33 @@ export class ResourceRepository {
     return pg(async () => {
       try {
         return await this.db.transaction(async (tx) => {
-          const updated: { id: string }[] = await tx.query(
-            `WITH chosen AS (
-             SELECT * FROM unnest($2::bigint[], $3::int[]) AS c(id, version)
-           ), upd AS (
-             UPDATE t_resource r
-                SET state = 2, version = r.version + 1, owner = $4, update_time = now()
-               FROM chosen c
-              WHERE r.id = c.id AND r.pool_id = $1 AND r.state = 1 AND r.version = c.version
-             RETURNING r.id, r.version
-           ), hist AS (
-             INSERT INTO t_allocation_history (resource_id, pool_id, action, owner, reservation_id, version)
-             SELECT id, $1, 'allocate', $4, $5, version FROM upd
-           )
-           SELECT id::text AS id FROM upd`,
-            [a.poolId, a.items.map((i) => i.id), a.items.map((i) => i.version), a.owner, a.reservationId],
-          );
-          if (updated.length !== a.items.length) {
-            throw new AllocationAborted('conflict');
+          let updated: { id: string }[];
+          try {
+            // One statement: the epoch's decision, the version-checked UPDATE, a history row per item.
+            updated = await tx.query(
+              `WITH decided AS (
+                 INSERT INTO t_commit_decision (reservation_id, epoch, decision) VALUES ($5, $6, 'commit')
+               ), chosen AS (
+                 SELECT * FROM unnest($2::bigint[], $3::int[]) AS c(id, version)
+               ), upd AS (
+                 UPDATE t_resource r
+                    SET state = 2, version = r.version + 1, owner = $4, update_time = now()
+                   FROM chosen c
+                  WHERE r.id = c.id AND r.pool_id = $1 AND r.state = 1 AND r.version = c.version
+                 RETURNING r.id, r.version
+               ), hist AS (
+                 INSERT INTO t_allocation_history (resource_id, pool_id, action, owner, reservation_id, version)
+                 SELECT id, $1, 'allocate', $4, $5, version FROM upd
+               )
+               SELECT id::text AS id FROM upd`,
+              [a.poolId, a.items.map((i) => i.id), a.items.map((i) => i.version), a.owner, a.reservationId, a.epoch],
+            );
+          } catch (err) {
+            // The epoch was already ended: by a concurrent confirm of this reservation, or by the sweeper.
+            if (sqlState(err) === '23505') throw new AllocationAborted('decided');
+            throw err;
           }
+          if (updated.length !== a.items.length) throw new AllocationAborted('conflict');
           try {
             await tx.query(
               `INSERT INTO t_commit (reservation_id, pool_id, owner, resource_ids, body) VALUES ($1, $2, $3, $4::bigint[], $5)`,
@@ -103,6 +117,27 @@ export class ResourceRepository {
         if (err instanceof AllocationAborted) return err.result;
         throw err;
       }
+    });
+  }
+
+  /**
+   * Records that a commit epoch is given up, unless its commit got there first (the insert waits for a
+   * commit in flight). Returns who ended the epoch.
+   */
+  async decideAbort(reservationId: string, epoch: number): Promise<'commit' | 'abort'> {
+    return pg(async () => {
+      const inserted: unknown[] = await this.db.query(
+        `INSERT INTO t_commit_decision (reservation_id, epoch, decision) VALUES ($1, $2, 'abort')
+         ON CONFLICT (reservation_id, epoch) DO NOTHING RETURNING decision`,
+        [reservationId, epoch],
+      );
+      if (inserted.length === 1) return 'abort';
+      // A new statement, so a new snapshot: it sees the row whose commit the insert waited for.
+      const rows: { decision: 'commit' | 'abort' }[] = await this.db.query(
+        `SELECT decision FROM t_commit_decision WHERE reservation_id = $1 AND epoch = $2`,
+        [reservationId, epoch],
+      );
+      return rows[0].decision;
     });
   }
 

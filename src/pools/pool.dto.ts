@@ -14,7 +14,7 @@ import {
   Min,
   ValidateNested,
 } from 'class-validator';
-import { IsFlatStringRecord, POOL_NAME, RESOURCE_ID } from '../common/validators.js';
+import { IsFlatStringRecord, IsResourceId, POOL_NAME } from '../common/validators.js';
 
 export const POOL_KINDS = ['number', 'task'] as const;
 export type PoolKind = (typeof POOL_KINDS)[number];
@@ -28,7 +28,7 @@ export class PoolParams {
 
 export class ResourceParams extends PoolParams {
   @ApiProperty({ description: 'Resource id (a Postgres bigint, as a string)', example: '5780' })
-  @Matches(RESOURCE_ID, { message: 'id must be a positive integer id' })
+  @IsResourceId()
   id: string;
 }
 

@@ -3,7 +3,7 @@ import { DomainError, ErrorCode } from '../common/errors.js';
 import { PoolEntity, RESOURCE_ALLOCATED } from '../database/entities.js';
 import { PoolRepository } from '../database/pool.repository.js';
 import { ResourceRepository, ResourceRow } from '../database/resource.repository.js';
-import { ALLOCATED_TOMBSTONE } from '../redis/keys.js';
+import { isAllocationTombstone } from '../redis/keys.js';
 import { CachedItem, HoldStore } from '../redis/hold-store.repository.js';
 import { PoolCatalog } from './pool-catalog.service.js';
 import { CreatePoolDto, ImportResourcesDto, ImportResultDto, PoolDto, PoolWithStatsDto, ResourceDto } from './pool.dto.js';
@@ -94,7 +94,7 @@ export class PoolsService {
     let state: ResourceDto['state'] = 'allocated';
     if (row.state !== RESOURCE_ALLOCATED) {
       const holder = await this.holds.holder(pool.name, id);
-      state = holder && holder !== ALLOCATED_TOMBSTONE ? 'held' : 'free';
+      state = holder && !isAllocationTombstone(holder) ? 'held' : 'free';
     }
     return toResourceDto(pool.name, row, state);
   }

@@ -29,6 +29,8 @@ export interface StoredReservation {
   outcome: Record<string, unknown> | null;
   /** Redis server time when this was read: every expiry decision uses the Redis clock. */
   nowMs: number;
+  /** Commit epoch: 0 until a confirm first pins the reservation. */
+  epoch: number;
 }
 
 export interface ReserveRequest {
@@ -60,13 +62,20 @@ export type ReleaseResult = { status: 'released' | 'confirmed'; reservation: Sto
 
 export type ExtendResult = { status: 'extended'; reservation: StoredReservation } | { status: 'expired' | 'closed' | 'missing' };
 
+export interface AllocatedItem {
+  resourceId: string;
+  value: string;
+  /** The item's version after the allocation. */
+  version: number;
+}
+
 export interface SweepResult {
   expiredReservations: number;
   freedItems: number;
   stalled: string[];
 }
 
-const SCRIPTS = ['reserve', 'read', 'pin', 'finish', 'release', 'extend', 'sweep', 'abort', 'add_free'] as const;
+const SCRIPTS = ['reserve', 'read', 'pin', 'unpin', 'finish', 'release', 'extend', 'sweep', 'abort', 'add_free'] as const;
 type ScriptName = (typeof SCRIPTS)[number];
 type ScriptCall = (key: string, ...args: (string | number)[]) => Promise<unknown>;
 
@@ -79,7 +88,7 @@ function loadScript(name: string): string {
 }
 
 function parseReservation(reply: string[]): StoredReservation {
-  const [, id, state, owner, kind, created, expires, items, outcome, now] = reply;
+  const [, id, state, owner, kind, created, expires, items, outcome, now, epoch] = reply;
   return {
     id,
     state: state as StoredState,
@@ -90,6 +99,7 @@ function parseReservation(reply: string[]): StoredReservation {
     items: JSON.parse(items) as CachedItem[],
     outcome: outcome ? (JSON.parse(outcome) as Record<string, unknown>) : null,
     nowMs: Number(now),
+    epoch: Number(epoch ?? 0),
   };
 }
 
@@ -190,19 +200,24 @@ export class HoldStore implements OnApplicationShutdown {
     }
   }
 
-  /** After the Postgres commit: marks `chosen` allocated and frees the rest of the reservation. */
-  async finish(pool: string, reservationId: string, chosen: CachedItem[], outcome: Record<string, unknown>): Promise<number> {
-    const selection = chosen.map((i) => i.id).sort(compareIds);
+  /** After the Postgres commit: marks the allocated items (at their new versions) and frees the rest of the reservation. */
+  async finish(pool: string, reservationId: string, allocated: AllocatedItem[], outcome: Record<string, unknown>): Promise<number> {
+    const sorted = [...allocated].sort((a, b) => compareIds(a.resourceId, b.resourceId));
     return this.run<number>(
       'finish',
       pool,
       reservationId,
-      selection.join(','),
+      sorted.map((a) => a.resourceId).join(','),
       JSON.stringify(outcome),
       TOMBSTONE_MS,
       this.retentionMs,
-      ...chosen.map((i) => freeMember(i.v, i.id)),
+      ...sorted.flatMap((a) => [freeMember(a.value, a.resourceId), a.version]),
     );
+  }
+
+  /** A commit attempt failed before Postgres decided it: held again until its expiry. False if left to the sweeper. */
+  async unpin(pool: string, reservationId: string, epoch: number): Promise<boolean> {
+    return (await this.run<number>('unpin', pool, reservationId, epoch)) === 1;
   }
 
   async release(pool: string, reservationId: string): Promise<ReleaseResult> {
@@ -227,20 +242,27 @@ export class HoldStore implements OnApplicationShutdown {
   }
 
   /**
-   * Ends a reservation whose commit did not happen; `allocated` are ids Postgres shows allocated,
-   * `fresh` the items whose version moved on. False if the reservation is no longer in a commit.
+   * Settles a commit epoch Postgres recorded as aborted: held again while the hold is due, else expired
+   * with its items freed. `allocated` are items Postgres shows allocated, `fresh` those whose version moved on.
    */
-  async abort(pool: string, reservationId: string, allocated: string[], fresh: CachedItem[]): Promise<boolean> {
+  async abort(
+    pool: string,
+    reservationId: string,
+    epoch: number,
+    allocated: { id: string; version: number }[],
+    fresh: CachedItem[],
+  ): Promise<'held' | 'expired' | 'stale'> {
     const reply = await this.run<number>(
       'abort',
       pool,
       reservationId,
+      epoch,
       this.retentionMs,
       TOMBSTONE_MS,
-      allocated.join(','),
+      allocated.map((a) => `${a.id}:${a.version}`).join(','),
       ...fresh.map((i) => JSON.stringify(i)),
     );
-    return reply >= 0;
+    return reply === -2 ? 'held' : reply === -1 ? 'stale' : 'expired';
   }
 
   /** Adds items that are free in Postgres to the free index; returns how many were not there yet. */
@@ -257,7 +279,7 @@ export class HoldStore implements OnApplicationShutdown {
     return this.command(() => this.redis.zcard(poolKeys(this.prefix, pool).free));
   }
 
-  /** The reservation id holding this item, the allocation tombstone, or null. */
+  /** The reservation id holding this item, an allocation tombstone ("A:<version>"), or null. */
   async holder(pool: string, resourceId: string): Promise<string | null> {
     return this.command(() => this.redis.get(poolKeys(this.prefix, pool).hold(resourceId)));
   }
@@ -266,8 +288,13 @@ export class HoldStore implements OnApplicationShutdown {
     return (await this.command(() => this.redis.exists(markerKey(this.prefix)))) === 1;
   }
 
-  async setMarker(): Promise<void> {
-    await this.command(() => this.redis.set(markerKey(this.prefix), String(Date.now())));
+  /** Writes the rebuilt-marker with this value. */
+  async setMarker(value: string): Promise<void> {
+    await this.command(() => this.redis.set(markerKey(this.prefix), value));
+  }
+
+  async getMarker(): Promise<string | null> {
+    return this.command(() => this.redis.get(markerKey(this.prefix)));
   }
 
   /** Runs after the HTTP server has finished its in-flight requests. */

@@ -28,8 +28,10 @@ export function freeMember(value: string, id: string): string {
   return `${value}\0${id}`;
 }
 
-/** The value Redis keeps in a hold key once its item is allocated (a tombstone, not a reservation id). */
-export const ALLOCATED_TOMBSTONE = 'A';
+/** A hold key's value once its item is allocated: "A:<version>", a tombstone rather than a reservation id. */
+export function isAllocationTombstone(holder: string): boolean {
+  return holder.startsWith('A:');
+}
 
 // Reservation and lease ids: "<pool>.<uuid v4>". The pool part routes the id to its pool's keys;
 // the 122 random bits of the UUID are what make it unguessable.

@@ -4,14 +4,14 @@ import { DomainError, ErrorCode } from '../common/errors.js';
 import { PoolEntity, RESOURCE_ALLOCATED } from '../database/entities.js';
 import { CommitRepository } from '../database/commit.repository.js';
 import { ResourceRepository } from '../database/resource.repository.js';
-import { CachedItem, HoldStore, StoredReservation, compareIds } from '../redis/hold-store.repository.js';
+import { AllocatedItem, CachedItem, HoldStore, StoredReservation, compareIds } from '../redis/hold-store.repository.js';
 import { MetricsService } from '../metrics/metrics.service.js';
 import { toCachedItem } from '../pools/pools.service.js';
 
 /** What a confirm or task completion committed; stored in Postgres and Redis so every retry answers the same. */
 export interface CommitOutcome {
   selection: string[];
-  allocated: { resourceId: string; value: string; version: number }[];
+  allocated: AllocatedItem[];
   released: string[];
   owner: string;
   items: CachedItem[];
@@ -19,9 +19,10 @@ export interface CommitOutcome {
 }
 
 /**
- * Confirm and task completion: pin the holds in Redis, commit with the version-checked UPDATE in one
- * Postgres transaction, then release the rest in Redis. Postgres' version check is the fence: a hold
- * that was lost or went stale can never allocate.
+ * Confirm and task completion: pin the holds in Redis (starting a commit epoch), commit with the
+ * version-checked UPDATE in one Postgres transaction that also records the epoch's decision, then
+ * release the rest in Redis. Postgres' version check fences stale holds; the decision row fences a
+ * commit against the sweeper giving the same attempt up.
  */
 @Injectable()
 export class CommitService {
@@ -53,7 +54,7 @@ export class CommitService {
         });
       case 'lost':
         this.metrics.confirmConflicts.inc({ reason: 'hold_taken' });
-        throw holdLost(pin.resourceId);
+        throw holdLost([pin.resourceId]);
       case 'confirmed':
         return sameSelection(pin.reservation.outcome as unknown as CommitOutcome, selection);
       case 'pinned':
@@ -72,82 +73,92 @@ export class CommitService {
       items: r.items,
       expiresMs: r.expiresMs,
     };
-    const result = await this.resources.allocate({
-      poolId: pool.id,
-      owner: r.owner,
-      reservationId: r.id,
-      items: picked.map((i) => ({ id: i.id, version: i.n })),
-      body: outcome as unknown as Record<string, unknown>,
-    });
+    let result;
+    try {
+      result = await this.resources.allocate({
+        poolId: pool.id,
+        owner: r.owner,
+        reservationId: r.id,
+        epoch: r.epoch,
+        items: picked.map((i) => ({ id: i.id, version: i.n })),
+        body: outcome as unknown as Record<string, unknown>,
+      });
+    } catch (err) {
+      // Postgres did not answer: held again until its expiry, so the caller's retry can still succeed.
+      // Should the commit have landed unseen, the sweeper finds its decision row at expiry and finishes it.
+      await this.holds.unpin(pool.name, r.id, r.epoch).catch(() => false);
+      throw err;
+    }
     if (result === 'committed') {
-      await this.finishQuietly(pool, r.id, picked, outcome);
+      await this.finishQuietly(pool, r.id, outcome);
       return outcome;
     }
-    // Someone committed first: this reservation on another instance (a retry), or another owner.
+    // Someone ended this reservation's commit first: the same confirm on another instance, or the sweeper.
     const row = await this.commits.find(r.id);
     if (row) {
       const committed = row.body as unknown as CommitOutcome;
-      const committedIds = new Set(committed.selection);
-      await this.finishQuietly(
-        pool,
-        r.id,
-        r.items.filter((i) => committedIds.has(i.id)),
-        committed,
-      );
+      await this.finishQuietly(pool, r.id, committed);
       return sameSelection(committed, selection);
     }
+    if (result === 'decided') {
+      this.metrics.confirmConflicts.inc({ reason: 'commit_window_passed' });
+      throw new DomainError(
+        ErrorCode.HOLD_LOST,
+        'the commit took longer than its window and was given up; nothing was allocated (retry the confirm if the hold is still due)',
+        { resourceIds: selection },
+      );
+    }
     this.metrics.confirmConflicts.inc({ reason: 'version_changed' });
-    await this.abortWithTruth(pool, r);
-    throw holdLost(picked.map((i) => i.id).join(','));
+    if ((await this.resources.decideAbort(r.id, r.epoch)) === 'abort') await this.abortWithTruth(pool, r);
+    throw holdLost(selection);
   }
 
   /** The commit is durable in Postgres; if Redis fails now, the sweeper finishes it from the commit row. */
-  private async finishQuietly(pool: PoolEntity, reservationId: string, chosen: CachedItem[], outcome: CommitOutcome): Promise<void> {
+  private async finishQuietly(pool: PoolEntity, reservationId: string, outcome: CommitOutcome): Promise<void> {
     try {
-      await this.holds.finish(pool.name, reservationId, chosen, outcome as unknown as Record<string, unknown>);
+      await this.holds.finish(pool.name, reservationId, outcome.allocated, outcome as unknown as Record<string, unknown>);
     } catch (err) {
       this.logger.warn(`commit of ${reservationId} is durable, Redis clean-up deferred to the sweeper: ${String(err)}`);
     }
   }
 
   /**
-   * Ends a reservation whose commit did not (or could not) happen: its items go back to the free index
-   * with the versions Postgres has now, except those Postgres shows allocated.
+   * Settles a reservation whose commit epoch Postgres recorded as aborted, with what Postgres says about
+   * its items now: allocated ones stay out of the pool, the others go back (or stay held while the hold is due).
    */
-  async abortWithTruth(pool: PoolEntity, r: StoredReservation): Promise<void> {
+  private async abortWithTruth(pool: PoolEntity, r: StoredReservation): Promise<'held' | 'expired' | 'stale'> {
     const rows = await this.resources.findMany(
       pool.id,
       r.items.map((i) => i.id),
     );
     const byId = new Map(rows.map((row) => [row.id, row]));
-    const allocated: string[] = [];
+    const allocated: { id: string; version: number }[] = [];
     const fresh: CachedItem[] = [];
     for (const item of r.items) {
       const row = byId.get(item.id);
-      if (!row || row.state === RESOURCE_ALLOCATED) allocated.push(item.id);
-      else if (row.version !== item.n) fresh.push(toCachedItem(row));
+      if (row?.state === RESOURCE_ALLOCATED) allocated.push({ id: item.id, version: row.version });
+      else if (row && row.version !== item.n) fresh.push(toCachedItem(row));
     }
-    await this.holds.abort(pool.name, r.id, allocated, fresh);
+    return this.holds.abort(pool.name, r.id, r.epoch, allocated, fresh);
   }
 
-  /** Sweeper hand-off: a reservation stuck in its commit window. Finish it if Postgres has the commit, else abort it. */
-  async recoverStalled(pool: PoolEntity, reservationId: string): Promise<'finished' | 'aborted' | 'gone'> {
+  /**
+   * Sweeper hand-off: a reservation whose commit window ran out (its instance died or stalled), or an
+   * expired one that once started a commit. Postgres decides: finish it if the commit landed, else give
+   * the epoch up, so a commit still in flight can no longer land.
+   */
+  async recoverStalled(pool: PoolEntity, reservationId: string): Promise<'finished' | 'held' | 'expired' | 'gone'> {
     const r = await this.holds.read(pool.name, reservationId);
-    if (!r || r.state !== 'confirming') return 'gone';
-    const row = await this.commits.find(reservationId);
-    if (row) {
-      const committed = row.body as unknown as CommitOutcome;
-      const ids = new Set(committed.selection);
-      await this.holds.finish(
-        pool.name,
-        reservationId,
-        r.items.filter((i) => ids.has(i.id)),
-        committed as unknown as Record<string, unknown>,
-      );
-      return 'finished';
+    if (!r || (r.state !== 'confirming' && r.state !== 'held') || r.epoch === 0) return 'gone';
+    if ((await this.resources.decideAbort(r.id, r.epoch)) === 'commit') {
+      const row = await this.commits.find(r.id);
+      if (row) {
+        await this.holds.finish(pool.name, r.id, (row.body as unknown as CommitOutcome).allocated, row.body);
+        return 'finished';
+      }
     }
-    await this.abortWithTruth(pool, r);
-    return 'aborted';
+    const how = await this.abortWithTruth(pool, r);
+    return how === 'stale' ? 'gone' : how;
   }
 }
 
@@ -158,9 +169,9 @@ function sameSelection(outcome: CommitOutcome, selection: string[]): CommitOutco
   });
 }
 
-function holdLost(resourceIds: string): DomainError {
+function holdLost(resourceIds: string[]): DomainError {
   return new DomainError(ErrorCode.HOLD_LOST, 'an item of the reservation was taken by someone else; nothing was allocated', {
-    resourceIds: resourceIds.split(','),
+    resourceIds,
   });
 }
 

@@ -14,7 +14,7 @@ import {
   Min,
   ValidateNested,
 } from 'class-validator';
-import { IsFlatStringRecord, RESOURCE_ID } from '../common/validators.js';
+import { IsFlatStringRecord, IsResourceId } from '../common/validators.js';
 import { MAX_TTL_MS } from '../pools/pool.dto.js';
 import { RESERVATION_ID_PATTERN } from '../redis/keys.js';
 
@@ -145,7 +145,7 @@ export class ConfirmDto {
   @ArrayMinSize(1)
   @ArrayMaxSize(100)
   @ArrayUnique()
-  @Matches(RESOURCE_ID, { each: true, message: 'each value in resourceIds must be a resource id' })
+  @IsResourceId({ each: true })
   resourceIds: string[];
 }
 

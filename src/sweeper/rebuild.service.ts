@@ -38,11 +38,19 @@ export class RebuildService {
     const started = Date.now();
     try {
       let added = 0;
-      for (const pool of await this.catalog.all()) {
-        added += await this.rebuildPool(pool.id, pool.name);
-        await this.mutex.tryAcquire(JOB, this.instanceId, LEASE_MS); // renew the lease between pools
+      // The marker is written first with a token of this run: if Redis is wiped while we rebuild, the
+      // token is gone at the end and the rebuild starts over.
+      for (let round = 1; ; round++) {
+        const token = `rebuilding:${this.instanceId}:${started}:${round}`;
+        await this.holds.setMarker(token);
+        for (const pool of await this.catalog.all()) {
+          added += await this.rebuildPool(pool.id, pool.name);
+          await this.mutex.tryAcquire(JOB, this.instanceId, LEASE_MS); // renew the lease between pools
+        }
+        if ((await this.holds.getMarker()) === token || round === 3) break;
+        this.logger.warn('Redis was wiped during the rebuild; rebuilding again');
       }
-      await this.holds.setMarker();
+      await this.holds.setMarker(`rebuilt:${new Date().toISOString()}`);
       this.metrics.rebuilds.inc({ reason });
       if (added > 0 || reason !== 'periodic') {
         this.logger.log(`rebuild (${reason}): ${added} free items re-indexed in ${Date.now() - started} ms`);

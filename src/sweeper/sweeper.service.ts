@@ -2,6 +2,7 @@ import { Injectable, Logger, OnApplicationBootstrap, OnModuleDestroy } from '@ne
 import { AppConfig } from '../config/app-config.js';
 import { DomainError, ErrorCode } from '../common/errors.js';
 import { MetricsService } from '../metrics/metrics.service.js';
+import { PoolEntity } from '../database/entities.js';
 import { PoolCatalog } from '../pools/pool-catalog.service.js';
 import { HoldStore } from '../redis/hold-store.repository.js';
 import { CommitService } from '../reservations/commit.service.js';
@@ -25,7 +26,8 @@ export class SweeperService implements OnApplicationBootstrap, OnModuleDestroy {
   private lastPoolRefresh = 0;
   private lastRebuild = 0;
   private lastWipeCheck = 0;
-  private lastWarning = '';
+  private readonly warned = new Set<string>();
+  private tickFailed = false;
 
   constructor(
     private readonly config: AppConfig,
@@ -60,30 +62,44 @@ export class SweeperService implements OnApplicationBootstrap, OnModuleDestroy {
     this.timer.unref();
   }
 
-  /** One pass: wiped-Redis check, then every pool's expired holds. */
+  /**
+   * One pass: every known pool's expired holds first (Redis only, so expiry goes on while Postgres is
+   * down), then the stalled commits, the pool list and the wiped-Redis check, each failing on its own.
+   */
   async tick(): Promise<void> {
-    try {
-      await this.rebuildIfNeeded(false);
-      const now = Date.now();
-      if (now - this.lastPoolRefresh > POOL_LIST_REFRESH_MS) {
-        await this.catalog.all();
-        this.lastPoolRefresh = now;
-      }
-      for (const pool of this.catalog.known()) {
+    this.tickFailed = false;
+    const stalled: { pool: PoolEntity; rid: string }[] = [];
+    for (const pool of this.catalog.known()) {
+      try {
         const swept = await this.holds.sweep(pool.name, SWEEP_BATCH, this.config.COMMIT_WINDOW_MS);
         if (swept.expiredReservations > 0) {
           this.metrics.expiredHolds.inc({ pool: pool.name }, swept.expiredReservations);
           this.logger.debug(`${pool.name}: ${swept.expiredReservations} expired holds, ${swept.freedItems} items freed`);
         }
-        for (const rid of swept.stalled) {
-          const outcome = await this.committer.recoverStalled(pool, rid);
-          this.logger.warn(`${pool.name}: commit of ${rid} stalled past its window: ${outcome}`);
-        }
+        for (const rid of swept.stalled) stalled.push({ pool, rid });
+      } catch (err) {
+        this.warn(`sweep of ${pool.name}`, err);
       }
-      this.lastWarning = '';
-    } catch (err) {
-      this.warn('sweep', err);
     }
+    for (const { pool, rid } of stalled) {
+      try {
+        const outcome = await this.committer.recoverStalled(pool, rid);
+        this.logger.log(`${pool.name}: commit of ${rid} settled after its window: ${outcome}`);
+      } catch (err) {
+        this.warn(`settling the commit of ${rid}`, err);
+      }
+    }
+    try {
+      const now = Date.now();
+      if (now - this.lastPoolRefresh > POOL_LIST_REFRESH_MS) {
+        await this.catalog.all();
+        this.lastPoolRefresh = now;
+      }
+      await this.rebuildIfNeeded(false);
+    } catch (err) {
+      this.warn('rebuild check', err);
+    }
+    if (!this.tickFailed) this.warned.clear();
   }
 
   private async rebuildIfNeeded(startup: boolean): Promise<void> {
@@ -99,10 +115,14 @@ export class SweeperService implements OnApplicationBootstrap, OnModuleDestroy {
     if (added !== null || !wiped) this.lastRebuild = now;
   }
 
+  /** Logs a failure once, not on every tick while a dependency stays down. */
   private warn(what: string, err: unknown): void {
     const message =
       err instanceof DomainError && err.code === ErrorCode.DEPENDENCY_UNAVAILABLE ? err.message : String((err as Error)?.stack ?? err);
-    if (message !== this.lastWarning) this.logger.warn(`${what} failed: ${message}`);
-    this.lastWarning = message;
+    const key = `${what}: ${message}`;
+    this.tickFailed = true;
+    if (!this.warned.has(key)) this.logger.warn(`${what} failed: ${message}`);
+    this.warned.add(key);
+    if (this.warned.size > 100) this.warned.clear();
   }
 }

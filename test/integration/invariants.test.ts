@@ -88,19 +88,65 @@ describe('invariants 1-4 checked against the stores', () => {
     expect(row).toEqual({ state: 2, owner: 'just-in-time' });
   });
 
-  it('invariant 4: a confirm whose instance died after pinning the holds is rolled back; the items return', async () => {
+  it('invariants 3 and 4: a confirm whose instance died after pinning is given up; the hold is due again, and a retry succeeds', async () => {
     await seedPool(a, 'died-pinned', numbers(2));
-    const r = await a.post('/v1/pools/died-pinned/reservations', { owner: 'ghost', count: 2 });
-    // The instance pins the holds for its commit, then dies before reaching Postgres.
+    const r = await a.post('/v1/pools/died-pinned/reservations', { owner: 'ghost', count: 2, ttlMs: 60_000 });
+    // The instance pins the holds for its commit (window 1 s), then dies before reaching Postgres.
     const pinned = await a.app.get(HoldStore).pin('died-pinned', r.body.id, [r.body.items[0].resourceId], 1000);
     expect(pinned.status).toBe('pinned');
-    const { elapsedMs } = await eventually(async () => (await b.get('/v1/pools/died-pinned')).body.stats.free === 2, 5000);
+    await sleep(500);
+    expect((await b.post('/v1/pools/died-pinned/reservations', { owner: 'rival', count: 1 })).status).toBe(409);
+    const decided = async () =>
+      (await world.query(`SELECT decision FROM t_commit_decision WHERE reservation_id = $1`, [r.body.id]))[0]?.decision;
+    await eventually(decided, 4000);
+    expect(await decided()).toBe('abort');
+    expect((await b.get(`/v1/reservations/${r.body.id}`)).body.state).toBe('held');
+    expect((await b.post('/v1/pools/died-pinned/reservations', { owner: 'rival', count: 1 })).status).toBe(409);
+    const retry = await b.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [r.body.items[0].resourceId] });
+    expect(retry.status).toBe(200);
+    expect((await b.get('/v1/pools/died-pinned')).body.stats).toEqual({ total: 2, free: 1, held: 0, allocated: 1 });
+  });
+
+  it("invariant 4: a confirm whose instance died after pinning, past the hold's expiry, returns the items to the pool", async () => {
+    await seedPool(a, 'died-late', numbers(2));
+    const r = await a.post('/v1/pools/died-late/reservations', { owner: 'ghost', count: 2, ttlMs: 1000 });
+    const pinned = await a.app.get(HoldStore).pin('died-late', r.body.id, [r.body.items[0].resourceId], 1000);
+    expect(pinned.status).toBe('pinned');
+    const { elapsedMs } = await eventually(async () => (await b.get('/v1/pools/died-late')).body.stats.free === 2, 5000);
     expect(elapsedMs).toBeLessThan(3000);
     expect((await b.get(`/v1/reservations/${r.body.id}`)).body.state).toBe('expired');
     const rows = await world.query(
-      `SELECT count(*)::int AS n FROM t_resource r JOIN t_pool p ON p.id = r.pool_id WHERE p.name = 'died-pinned' AND r.state = 2`,
+      `SELECT count(*)::int AS n FROM t_resource r JOIN t_pool p ON p.id = r.pool_id WHERE p.name = 'died-late' AND r.state = 2`,
     );
     expect(rows[0].n).toBe(0);
+  });
+
+  it('a commit slower than its window cannot land after the sweeper gave it up', async () => {
+    await seedPool(a, 'too-slow', numbers(1));
+    const r = await a.post('/v1/pools/too-slow/reservations', { owner: 'slow', count: 1, ttlMs: 1000 });
+    const id = r.body.items[0].resourceId;
+    const pinned = await a.app.get(HoldStore).pin('too-slow', r.body.id, [id], 1000);
+    if (pinned.status !== 'pinned') throw new Error(`pin: ${pinned.status}`);
+    // The sweeper gives the epoch up and the item returns; a rival takes and confirms it.
+    const { value: rival } = await eventually(async () => {
+      const t = await b.post('/v1/pools/too-slow/reservations', { owner: 'rival', count: 1 });
+      return t.status === 201 ? t : null;
+    }, 5000);
+    // Now the slow commit reaches Postgres, still with a valid version: the decision row refuses it.
+    const pool = await a.app.get(PoolRepository).findByName('too-slow');
+    const late = await a.app.get(ResourceRepository).allocate({
+      poolId: pool!.id,
+      owner: 'slow',
+      reservationId: r.body.id,
+      epoch: pinned.reservation.epoch,
+      items: [{ id, version: 0 }],
+      body: {},
+    });
+    expect(late).toBe('decided');
+    const won = await b.post(`/v1/reservations/${rival.body.id}/confirm`, { resourceIds: [id] });
+    expect(won.status).toBe(200);
+    const [row] = await world.query(`SELECT owner, version FROM t_resource WHERE id = $1`, [id]);
+    expect(row).toEqual({ owner: 'rival', version: 1 });
   });
 
   it('invariant 4: a confirm whose instance died after the Postgres commit is finished by the sweeper', async () => {
@@ -108,7 +154,8 @@ describe('invariants 1-4 checked against the stores', () => {
     const r = await a.post('/v1/pools/died-committed/reservations', { owner: 'ghost', count: 3 });
     const chosen = r.body.items[1];
     const holds = a.app.get(HoldStore);
-    await holds.pin('died-committed', r.body.id, [chosen.resourceId], 1000);
+    const pinned = await holds.pin('died-committed', r.body.id, [chosen.resourceId], 1000);
+    if (pinned.status !== 'pinned') throw new Error(`pin: ${pinned.status}`);
     const pool = await a.app.get(PoolRepository).findByName('died-committed');
     const body = {
       selection: [chosen.resourceId],
@@ -122,6 +169,7 @@ describe('invariants 1-4 checked against the stores', () => {
       poolId: pool!.id,
       owner: 'ghost',
       reservationId: r.body.id,
+      epoch: pinned.reservation.epoch,
       items: [{ id: chosen.resourceId, version: chosen.version }],
       body,
     });

@@ -127,6 +127,10 @@ describe('pools and resources', () => {
     expect(missing.status).toBe(404);
     expect(missing.body.error.code).toBe('RESOURCE_NOT_FOUND');
     expect((await api.get('/v1/pools/states/resources/abc')).status).toBe(400);
+    expect((await api.get('/v1/pools/states/resources/9223372036854775807')).status).toBe(404);
+    const tooBig = await api.get('/v1/pools/states/resources/9223372036854775808');
+    expect(tooBig.status).toBe(400);
+    expect(tooBig.body.error.code).toBe('VALIDATION_FAILED');
   });
 
   it('releases an allocated item: version +1, free and reservable at once; NOT_ALLOCATED otherwise', async () => {

@@ -123,6 +123,15 @@ describe('recovery: Redis wiped or down, Postgres down, an instance gone', () =>
     expect(created.status).toBe(503);
     const rows = await world.query(`SELECT count(*)::int AS n FROM t_resource WHERE state = 2 AND id = $1`, [body.resourceIds[0]]);
     expect(rows[0].n).toBe(0);
+    // The failed confirm changed nothing: the reservation is still held, so the retry below can succeed.
+    expect((await viaProxy.get(`/v1/reservations/${r.body.id}`)).body.state).toBe('held');
+    // Expiry needs no Postgres: a short hold taken now comes back to the pool while Postgres is away.
+    const short = await viaProxy.post('/v1/pools/pg-down/reservations', { owner: 'brief', count: 1, ttlMs: 1000 });
+    expect(short.status).toBe(201);
+    await eventually(
+      async () => (await viaProxy.post('/v1/pools/pg-down/reservations', { owner: 'next', count: 1, ttlMs: 1000 })).status === 201,
+      3000,
+    );
     await proxy.open();
     const retry = await viaProxy.post(`/v1/reservations/${r.body.id}/confirm`, body);
     expect(retry.status).toBe(200);

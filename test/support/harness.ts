@@ -68,7 +68,7 @@ export class TestWorld {
       DATABASE_URL: databaseUrl(this.dbName),
       REDIS_URL,
       REDIS_KEY_PREFIX: this.prefix,
-      LOG_LEVEL: 'error',
+      LOG_LEVEL: process.env.TEST_LOG_LEVEL ?? 'error',
       LOG_REQUESTS: 'false',
       SWEEP_INTERVAL_MS: '100',
       ...this.env,
@@ -78,7 +78,7 @@ export class TestWorld {
 
   async start(overrides: Record<string, string> = {}): Promise<TestInstance> {
     const config = this.config(overrides);
-    const app = await createApp(config, { logger: false });
+    const app = await createApp(config, { logger: process.env.TEST_LOG_LEVEL !== undefined });
     await app.listen({ port: 0, host: '127.0.0.1' });
     const address = app.getHttpServer().address() as { port: number };
     const instance = new TestInstance(app, `http://127.0.0.1:${address.port}`, config);

@@ -5,7 +5,8 @@
 --   <base>item           HASH id -> item JSON {"id","v" value,"n" version,"g" groupKey,"a" attributes}, for every unallocated item
 --   <base>fa:<k>\0<v>    SET of free members whose attribute k equals v
 --   <base>fg:<group>     SET of free members of a task group
---   <base>h:<id>         STRING, the hold: reservation id (PX = its expiry), or "A" for a short while after allocation
+--   <base>h:<id>         STRING, the hold: reservation id (PX = its expiry), or "A:<version>" for a while after the
+--                        item was allocated at that version (a rebuild may not re-add it from an older read)
 --   <base>r:<rid>        HASH, the reservation (fields below)
 --   <base>exp            ZSET rid -> ms at which the sweeper must look at it (expiry, or end of a commit pin)
 --   <base>oh             HASH owner -> items held now (maxHoldsPerOwner)
@@ -13,9 +14,21 @@
 --   <base>idem:<key>     STRING "<rid>\n<body hash>", PX = idempotency TTL
 -- Reservation fields: o owner, k kind ("r" reservation, "l" lease), s state (held, confirming, confirmed,
 -- released, expired), i items (JSON array of item JSON), c created ms, e expires ms, x outcome JSON,
--- sel confirmed selection (sorted ids, comma separated), cnt "1" while its items count in oh/og.
+-- sel confirmed selection (sorted ids, comma separated), cnt "1" while its items count in oh/og,
+-- ep the commit epoch: incremented by each pin that starts a commit (Postgres records who ended each epoch).
 
-local ALLOCATED = 'A'
+local function tombstone(version)
+  return 'A:' .. version
+end
+
+local function is_tombstone(holder)
+  return holder and string.sub(holder, 1, 2) == 'A:'
+end
+
+-- True when a tombstone is older than this item version (the item was released since its allocation).
+local function tombstone_stale(holder, version)
+  return is_tombstone(holder) and tonumber(string.sub(holder, 3)) < version
+end
 
 local function now_ms()
   local t = redis.call('TIME')
@@ -90,19 +103,22 @@ local function uncount(base, rkey, owner, kind, items)
   end
 end
 
--- Drops the holds this reservation still has and returns those items to the free index.
+-- Drops the holds this reservation still has and returns those items to the free index. An item with
+-- no cache entry was allocated meanwhile (finish drops the entry): it is not free.
 local function free_items(base, rid, items)
   local n = 0
   for _, item in ipairs(items) do
     local hkey = base .. 'h:' .. item.id
     local holder = redis.call('GET', hkey)
     if holder == rid then redis.call('DEL', hkey) end
-    if holder == rid or not holder then n = n + index(base, item) end
+    if (holder == rid or not holder) and redis.call('HEXISTS', base .. 'item', item.id) == 1 then
+      n = n + index(base, item)
+    end
   end
   return n
 end
 
 local function reservation_reply(status, rid, rkey, now)
-  local f = redis.call('HMGET', rkey, 's', 'o', 'k', 'c', 'e', 'i', 'x')
-  return { status, rid, f[1] or '', f[2] or '', f[3] or '', f[4] or '', f[5] or '', f[6] or '[]', f[7] or '', tostring(now) }
+  local f = redis.call('HMGET', rkey, 's', 'o', 'k', 'c', 'e', 'i', 'x', 'ep')
+  return { status, rid, f[1] or '', f[2] or '', f[3] or '', f[4] or '', f[5] or '', f[6] or '[]', f[7] or '', tostring(now), f[8] or '0' }
 end

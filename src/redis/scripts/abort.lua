@@ -1,21 +1,26 @@
--- abort: ends a reservation whose commit did not happen (a version conflict, or a commit that stalled
--- and never reached Postgres). The reservation becomes expired and its items return to the free index,
--- with what Postgres says now: items allocated there get an allocation tombstone instead, items whose
--- version moved on are re-cached with the new version.
--- ARGV: 1 base, 2 rid, 3 retention ms, 4 tombstone ms, 5 ids allocated in Postgres (comma separated),
---       6.. fresh item JSON for items whose version changed
--- Returns: items returned to the free index, or -1 if the reservation is not in a commit any more
-local base, rid, retention, tombstone = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
+-- abort: settles a commit epoch that Postgres recorded as aborted (a version conflict, or a commit that
+-- stalled past its window). While the hold has not expired, the reservation is held again, so its owner
+-- may retry; after expiry it becomes expired and its items return to the free index, with what Postgres
+-- says now: items allocated there get an allocation tombstone instead, items whose version moved on are
+-- re-cached with the new version.
+-- ARGV: 1 base, 2 rid, 3 epoch, 4 retention ms, 5 tombstone ms, 6 items allocated in Postgres ("id:version", comma
+--       separated), 7.. fresh item JSON for items whose version changed
+-- Returns: items returned to the free index, -1 if the epoch is no longer the reservation's open one,
+--          -2 if the reservation is held again
+local base, rid, epoch, retention, tombstone_ms = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5])
 local rkey = base .. 'r:' .. rid
-local f = redis.call('HMGET', rkey, 's', 'o', 'k', 'i')
-if f[1] ~= 'confirming' then return -1 end
+local f = redis.call('HMGET', rkey, 's', 'o', 'k', 'i', 'e', 'ep')
+if (f[1] ~= 'confirming' and f[1] ~= 'held') or f[6] ~= epoch then return -1 end
 local items = decode_items(f[4])
-uncount(base, rkey, f[2], f[3], items)
+local now = now_ms()
 
 local allocated = {}
-for id in string.gmatch(ARGV[5], '[^,]+') do allocated[id] = true end
+for entry in string.gmatch(ARGV[6], '[^,]+') do
+  local sep = string.find(entry, ':', 1, true)
+  allocated[string.sub(entry, 1, sep - 1)] = string.sub(entry, sep + 1)
+end
 local fresh = {}
-for i = 6, #ARGV do
+for i = 7, #ARGV do
   local item = cjson.decode(ARGV[i])
   fresh[item.id] = { item = item, json = ARGV[i] }
 end
@@ -25,7 +30,7 @@ for _, item in ipairs(items) do
   local hkey = base .. 'h:' .. item.id
   local holder = redis.call('GET', hkey)
   if allocated[item.id] then
-    if holder == rid or not holder then redis.call('SET', hkey, ALLOCATED, 'PX', tombstone) end
+    if holder == rid or not holder then redis.call('SET', hkey, tombstone(allocated[item.id]), 'PX', tombstone_ms) end
     redis.call('HDEL', base .. 'item', item.id)
     unindex(base, item)
   elseif fresh[item.id] then
@@ -35,6 +40,25 @@ for _, item in ipairs(items) do
     back[#back + 1] = item
   end
 end
+
+local expires = tonumber(f[5])
+if expires > now and next(allocated) == nil and next(fresh) == nil then
+  -- Nothing changed under it and the hold is still due: held again, owner may retry the confirm.
+  for _, item in ipairs(items) do
+    local hkey = base .. 'h:' .. item.id
+    local holder = redis.call('GET', hkey)
+    if holder == rid or not holder then
+      unindex(base, item)
+      redis.call('SET', hkey, rid, 'PX', expires - now)
+    end
+  end
+  -- 'ep' stays: at expiry the sweeper asks Postgres again, which already says 'abort' for this epoch.
+  redis.call('HSET', rkey, 's', 'held')
+  redis.call('ZADD', base .. 'exp', expires, rid)
+  return -2
+end
+
+uncount(base, rkey, f[2], f[3], items)
 local freed = free_items(base, rid, back)
 redis.call('HSET', rkey, 's', 'expired')
 redis.call('PEXPIRE', rkey, retention)

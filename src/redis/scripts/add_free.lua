@@ -1,17 +1,17 @@
 -- add_free: puts items that are free in Postgres into the free index: new imports, released allocations,
 -- and the rebuild of a wiped or drifted Redis from Postgres.
--- ARGV: 1 base, 2 mode ("rebuild": skip any item under a hold, tombstones included;
---       "release": the item was just released in Postgres, so an allocation tombstone is dropped),
---       3.. item JSON ({"id","v","n","g","a"})
+-- An item under a live hold is skipped; an allocation tombstone is dropped only when the item's version
+-- is newer than the allocation's (it was released since), so a page read before a commit re-adds nothing.
+-- ARGV: 1 base, 2 mode ("rebuild" | "release", for the logs only), 3.. item JSON ({"id","v","n","g","a"})
 -- Returns: number of items that were not in the free index before
-local base, mode = ARGV[1], ARGV[2]
+local base = ARGV[1]
 local added = 0
 for i = 3, #ARGV do
   local json = ARGV[i]
   local item = cjson.decode(json)
   local hkey = base .. 'h:' .. item.id
   local holder = redis.call('GET', hkey)
-  if mode == 'release' and holder == ALLOCATED then
+  if tombstone_stale(holder, item.n) then
     redis.call('DEL', hkey)
     holder = false
   end

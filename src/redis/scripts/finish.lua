@@ -1,17 +1,21 @@
 -- finish: last step of confirm/complete, after the Postgres commit. Marks the chosen items allocated
--- (a short "A" tombstone hold keeps a concurrent rebuild from re-adding them), returns every other item
--- of the reservation to the free index, and closes the reservation.
+-- (an "A:<version>" tombstone hold keeps a rebuild that read Postgres before the commit from re-adding
+-- them), returns every other item of the reservation to the free index, and closes the reservation.
 -- ARGV: 1 base, 2 rid, 3 selection (ids, comma separated, sorted), 4 outcome JSON, 5 tombstone ms,
---       6 retention ms, 7.. the chosen items' free-index members (so this works even if the reservation is gone)
+--       6 retention ms, 7.. pairs: a chosen item's free-index member, its version after the allocation
+--       (so this works even if the reservation is gone)
 -- Returns: number of items returned to the free index
 local base, rid, selection, outcome = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
-local tombstone, retention = tonumber(ARGV[5]), tonumber(ARGV[6])
+local tombstone_ms, retention = tonumber(ARGV[5]), tonumber(ARGV[6])
 local chosen = {}
-for i = 7, #ARGV do
-  local m = ARGV[i]
+for i = 7, #ARGV, 2 do
+  local m, version = ARGV[i], ARGV[i + 1]
   local id = id_of(m)
   chosen[id] = true
-  redis.call('SET', base .. 'h:' .. id, ALLOCATED, 'PX', tombstone)
+  local hkey = base .. 'h:' .. id
+  local holder = redis.call('GET', hkey)
+  -- Never overwrite someone else's live hold (a late finish after an abort); Postgres has the truth.
+  if not holder or holder == rid or is_tombstone(holder) then redis.call('SET', hkey, tombstone(version), 'PX', tombstone_ms) end
   redis.call('HDEL', base .. 'item', id)
   redis.call('ZREM', base .. 'free', m)
 end

@@ -1,7 +1,9 @@
 -- pin: first step of confirm/complete. Checks that every selected item is still this reservation's
 -- (re-taking, after expiry, an item nobody else took) and pins those holds for the commit window.
+-- A pin from any state but "confirming" starts a new commit epoch; Postgres records who ended each epoch
+-- (the commit, or the sweeper's abort), so the two can never both happen.
 -- ARGV: 1 base, 2 rid, 3 commit window ms, 4 selection (resource ids, comma separated, sorted)
--- Returns: {"pinned", rid, state, owner, kind, createdMs, expiresMs, itemsJson, outcomeJson, nowMs}
+-- Returns: {"pinned", rid, state, owner, kind, createdMs, expiresMs, itemsJson, outcomeJson, nowMs, epoch}
 --          | {"confirmed", ...same} (already committed) | {"missing"} | {"closed"} | {"notin", id} | {"lost", id}
 local base, rid, window, selection = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
 local rkey = base .. 'r:' .. rid
@@ -37,6 +39,7 @@ for _, item in ipairs(selected) do
     redis.call('SET', hkey, rid, 'PX', window)
   end
 end
+if state ~= 'confirming' then redis.call('HINCRBY', rkey, 'ep', 1) end
 redis.call('HSET', rkey, 's', 'confirming', 'sel', selection)
 redis.call('ZADD', base .. 'exp', now + window, rid)
 redis.call('PEXPIRE', rkey, window + tonumber(redis.call('PTTL', rkey)))

@@ -32,13 +32,16 @@ local free = base .. 'free'
 local chosen, seen = {}, {}
 
 -- Takes a candidate member out of the free index if it is still free and unheld; repairs the index if not.
-local function consider(m)
+-- `source` is the set the candidate came from, cleaned as well when the candidate is stale.
+local function consider(m, source)
   if seen[m] or #chosen >= count then return end
   seen[m] = true
   local id = id_of(m)
   local json = redis.call('HGET', base .. 'item', id)
   if not json or redis.call('EXISTS', base .. 'h:' .. id) == 1 then
-    redis.call('ZREM', free, m) -- an index entry without a free item behind it: drop it
+    -- An index entry without a free item behind it: drop it.
+    redis.call('ZREM', free, m)
+    if source then redis.call('SREM', source, m) end
     return
   end
   local item = cjson.decode(json)
@@ -50,15 +53,18 @@ if attr_json ~= '' then
   local attrs = cjson.decode(attr_json)
   local keys = {}
   for k, v in pairs(attrs) do keys[#keys + 1] = attr_key(base, k, v) end
-  local candidates
   if #keys == 1 and prefix == '' then
-    candidates = redis.call('SRANDMEMBER', keys[1], count * 2)
+    -- Random picks; stale entries are removed as they are met, so this converges.
+    while #chosen < count do
+      local picks = redis.call('SRANDMEMBER', keys[1], count - #chosen)
+      if #picks == 0 then break end
+      for _, m in ipairs(picks) do consider(m, keys[1]) end
+    end
   else
-    candidates = redis.call('SINTER', unpack(keys))
-  end
-  for _, m in ipairs(candidates) do
-    if #chosen >= count then break end
-    if prefix == '' or string.sub(m, 1, #prefix) == prefix then consider(m) end
+    for _, m in ipairs(redis.call('SINTER', unpack(keys))) do
+      if #chosen >= count then break end
+      if prefix == '' or string.sub(m, 1, #prefix) == prefix then consider(m, keys[1]) end
+    end
   end
 elseif prefix ~= '' then
   -- Members sort by value, so the items with this prefix form one lex range. UTF-8 never holds byte 0xFF.
@@ -74,7 +80,8 @@ else
     local groups = redis.call('HKEYS', base .. 'og:' .. owner)
     for _, g in ipairs(groups) do
       if #chosen >= count then break end
-      for _, m in ipairs(redis.call('SRANDMEMBER', base .. 'fg:' .. g, count)) do consider(m) end
+      local group = base .. 'fg:' .. g
+      for _, m in ipairs(redis.call('SRANDMEMBER', group, count)) do consider(m, group) end
     end
   end
   while #chosen < count do

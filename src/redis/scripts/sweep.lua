@@ -1,6 +1,7 @@
 -- sweep: returns the items of expired reservations to the free index. Atomic and idempotent, so every
 -- instance may run it without a lock. Reservations whose commit pin ran out (the instance confirming
--- them died or stalled) are handed back to the caller, which asks Postgres what happened.
+-- them died or stalled), and expired ones that ever started a commit, are handed back to the caller,
+-- which asks Postgres what happened.
 -- ARGV: 1 base, 2 batch size, 3 retention ms, 4 recheck ms (when to look again at a stalled commit)
 -- Returns: {reservations expired, items freed, stalled rid...}
 local base, batch, retention, recheck = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
@@ -10,8 +11,11 @@ local due = redis.call('ZRANGEBYSCORE', exp, '-inf', now, 'LIMIT', 0, batch)
 local expired, freed, reply = 0, 0, { 0, 0 }
 for _, rid in ipairs(due) do
   local rkey = base .. 'r:' .. rid
-  local f = redis.call('HMGET', rkey, 's', 'o', 'k', 'i')
-  if f[1] == 'held' then
+  local f = redis.call('HMGET', rkey, 's', 'o', 'k', 'i', 'ep')
+  if f[1] == 'confirming' or (f[1] == 'held' and f[5]) then
+    redis.call('ZADD', exp, now + recheck, rid)
+    reply[#reply + 1] = rid
+  elseif f[1] == 'held' then
     local items = decode_items(f[4])
     uncount(base, rkey, f[2], f[3], items)
     freed = freed + free_items(base, rid, items)
@@ -19,9 +23,6 @@ for _, rid in ipairs(due) do
     redis.call('PEXPIRE', rkey, retention)
     redis.call('ZREM', exp, rid)
     expired = expired + 1
-  elseif f[1] == 'confirming' then
-    redis.call('ZADD', exp, now + recheck, rid)
-    reply[#reply + 1] = rid
   else
     redis.call('ZREM', exp, rid)
   end

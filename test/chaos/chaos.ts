@@ -1,0 +1,338 @@
+/**
+ * respool chaos suite: three instances as separate processes on a Postgres and a Redis of the suite's
+ * own, about 1,000 simulated clients, and one fault at a time with recovery in between. Fails on any
+ * violation of the invariants (see checker.ts). `--full` runs longer phases.
+ *
+ *   npm run test:chaos            # short form, every fault once (CI)
+ *   npm run test:chaos -- --full  # longer load between and around faults
+ */
+import { Redis } from 'ioredis';
+import { mkdtempSync, writeFileSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import { OwnRedis, freePort } from '../support/services.js';
+import { FaultWindow, HoldSampler, check } from './checker.js';
+import { Traffic, buyer, reviewer } from './clients.js';
+import { ChaosPostgres, ChaosProxy, Instance } from './cluster.js';
+
+const FULL = process.argv.includes('--full');
+const PHASE_MS = FULL ? 20_000 : 6_000; // load before, between and after faults
+const BUYERS = 800;
+const REVIEWERS = 200;
+const NUMBERS = 3000;
+const TASKS = 1000;
+const REQUEST_TIMEOUT_MS = 15_000;
+const PREFIX = 'chaos:';
+
+const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));
+const say = (msg: string) => console.log(`[chaos ${new Date().toISOString().slice(11, 23)}] ${msg}`);
+
+async function waitReady(instances: Instance[], timeoutMs = 30_000): Promise<number> {
+  const started = Date.now();
+  for (;;) {
+    const up = instances.filter((i) => i.state === 'up');
+    const ready = await Promise.all(
+      up.map((i) =>
+        fetch(`${i.url}/health/ready`, { signal: AbortSignal.timeout(2000) })
+          .then((r) => r.ok)
+          .catch(() => false),
+      ),
+    );
+    if (ready.every(Boolean)) return Date.now() - started;
+    if (Date.now() - started > timeoutMs) throw new Error('instances did not become ready again');
+    await sleep(100);
+  }
+}
+
+async function api(instance: Instance, method: string, path: string, body?: unknown) {
+  const res = await fetch(`${instance.url}${path}`, {
+    method,
+    headers: body === undefined ? {} : { 'content-type': 'application/json' },
+    body: body === undefined ? undefined : JSON.stringify(body),
+  });
+  const text = await res.text();
+  return { status: res.status, body: text ? JSON.parse(text) : undefined };
+}
+
+async function main(): Promise<number> {
+  const workDir = mkdtempSync(join(tmpdir(), 'respool-chaos-'));
+  say(`${FULL ? 'full' : 'short'} run; logs in ${workDir}`);
+  const pg = await ChaosPostgres.create();
+  const redis = await OwnRedis.start();
+  const proxy = await ChaosProxy.start(redis.port);
+  const env = {
+    DATABASE_URL: pg.url,
+    REDIS_URL: `redis://127.0.0.1:${proxy.port}`,
+    REDIS_KEY_PREFIX: PREFIX,
+    LOG_LEVEL: 'warn',
+    LOG_REQUESTS: 'false',
+    DB_TIMEOUT_MS: '2000',
+    REDIS_TIMEOUT_MS: '1000',
+    COMMIT_WINDOW_MS: '2000',
+    SWEEP_INTERVAL_MS: '200',
+    RECONCILE_INTERVAL_MS: '10000',
+    DB_POOL_SIZE: '20',
+  };
+  const instances: Instance[] = [];
+  for (const name of ['a', 'b', 'c']) instances.push(new Instance(name, await freePort(), env, join(workDir, `instance-${name}.log`)));
+  const direct = new Redis(redis.url, { maxRetriesPerRequest: 1, enableOfflineQueue: false, retryStrategy: () => 200 });
+  direct.on('error', () => undefined);
+  const windows: FaultWindow[] = [];
+  const recovery: Record<string, number> = {};
+  const traffic = new Traffic(instances, REQUEST_TIMEOUT_MS);
+  let failed: boolean;
+
+  try {
+    await instances[0].start(); // migrates the database
+    await Promise.all(instances.slice(1).map((i) => i.start()));
+    const [a, b, c] = instances;
+    await api(a, 'POST', '/v1/pools', { name: 'numbers', kind: 'number', holdTtlMs: 3000, maxHoldTtlMs: 60_000 });
+    await api(a, 'POST', '/v1/pools', { name: 'reviews', kind: 'task', holdTtlMs: 3000, maxHoldTtlMs: 60_000 });
+    await api(a, 'POST', '/v1/pools', { name: 'pause', kind: 'number', holdTtlMs: 1500, maxHoldTtlMs: 60_000 });
+    const numbers = Array.from({ length: NUMBERS }, (_, i) => ({ value: `1380${String(i).padStart(7, '0')}` }));
+    for (let i = 0; i < numbers.length; i += 5000)
+      await api(a, 'POST', '/v1/pools/numbers/resources', { items: numbers.slice(i, i + 5000) });
+    const tasks = Array.from({ length: TASKS }, (_, i) => ({ value: `task-${i}`, groupKey: `submitter-${i % 50}` }));
+    await api(a, 'POST', '/v1/pools/reviews/resources', { items: tasks });
+    await api(a, 'POST', '/v1/pools/pause/resources', { items: [{ value: 'the-one' }] });
+
+    const sampler = new HoldSampler(direct, [`${PREFIX}{numbers}:`, `${PREFIX}{reviews}:`]);
+    const sampling = (async () => {
+      while (!traffic.stopped) {
+        await sampler.sample();
+        await sleep(500);
+      }
+    })();
+    say(`load: ${BUYERS} buyers, ${REVIEWERS} reviewers on ${NUMBERS} numbers and ${TASKS} tasks`);
+    const clients = [
+      ...Array.from({ length: BUYERS }, (_, i) => buyer(traffic, String(i), 'numbers')),
+      ...Array.from({ length: REVIEWERS }, (_, i) => reviewer(traffic, String(i), 'reviews')),
+    ];
+
+    const fault = async (kind: string, inject: () => Promise<Partial<FaultWindow> | void>) => {
+      await sleep(PHASE_MS);
+      say(`fault: ${kind}`);
+      const window: FaultWindow = { kind, start: Date.now(), end: 0 };
+      windows.push(window);
+      Object.assign(window, (await inject()) ?? {});
+      const recovered = Date.now();
+      recovery[kind] = await waitReady(instances);
+      window.end = Date.now();
+      say(`recovered from ${kind}: ready ${recovery[kind]} ms after the fault was lifted (${window.end - window.start} ms in all)`);
+      void recovered;
+    };
+
+    await fault('redis FLUSHALL', async () => {
+      await direct.flushall();
+      return { losesRedis: true };
+    });
+    await fault('redis kill -9, restarted empty', async () => {
+      await redis.stop();
+      await sleep(2000);
+      await redis.start();
+      return { losesRedis: true };
+    });
+    await fault('postgres immediate shutdown', async () => {
+      pg.stopImmediate();
+      await sleep(3000);
+      await pg.start();
+    });
+    await fault('kill -9 of an instance during confirms', async () => {
+      b.kill9();
+      await sleep(2000);
+      await b.start();
+      return { instance: 'b' };
+    });
+    await fault('pause an instance inside a confirm past the TTL (SIGSTOP/SIGCONT)', async () => {
+      await pauseScenario(a, b, c, pg.url);
+      return { instance: 'a' };
+    });
+    await fault('slow Redis: latency, then dropped connections', async () => {
+      proxy.latencyMs = 20;
+      await sleep(4000);
+      proxy.latencyMs = 0;
+      await proxy.cut();
+      await sleep(2000);
+      await proxy.open();
+    });
+
+    await sleep(PHASE_MS);
+    say('stopping the load');
+    traffic.stopped = true;
+    await Promise.all(clients);
+    await sampling;
+
+    // Give back every hold still open, then the whole pool must be reservable within 5 s.
+    const stopAt = Date.now();
+    await releaseOpenHolds(traffic, a);
+    const flow = await wholePoolReservable(a, pg.url);
+    const flowMs = Date.now() - stopAt;
+    say(`whole pool reservable again ${flowMs} ms after the load stopped (${flow.numbers} numbers, ${flow.tasks} tasks free)`);
+
+    const verdict = await check(traffic.log, windows, pg.url);
+    verdict.violations.push(...sampler.violations, ...flow.violations);
+    if (flowMs > 5000) verdict.violations.push(`the pool took ${flowMs} ms to become reservable again`);
+    if (sampler.samplesWithHolds < 5) verdict.violations.push(`hold sampler saw live holds only ${sampler.samplesWithHolds} times`);
+    const report = {
+      mode: FULL ? 'full' : 'short',
+      ...verdict.counts,
+      holdSamples: sampler.samples,
+      recoveryMs: recovery,
+      wholePoolReservableMs: flowMs,
+      violations: verdict.violations.length,
+    };
+    writeFileSync(join(workDir, 'report.json'), JSON.stringify({ report, violations: verdict.violations, windows }, null, 2));
+    console.log(JSON.stringify(report, null, 2));
+    for (const v of verdict.violations.slice(0, 50)) console.log(`VIOLATION ${v}`);
+    failed = verdict.violations.length > 0;
+    say(failed ? `FAILED: ${verdict.violations.length} violations` : 'passed: 0 violations');
+  } catch (err) {
+    failed = true;
+    console.error(err);
+  } finally {
+    traffic.stopped = true;
+    await Promise.all(instances.map((i) => i.stop().catch(() => undefined)));
+    direct.disconnect();
+    await proxy.cut();
+    await redis.stop();
+    pg.destroy();
+  }
+  return failed ? 1 : 0;
+}
+
+/**
+ * DESIGN.md's pause scenario: an instance stops inside a confirm for longer than the hold's TTL;
+ * meanwhile another client reserves and confirms the same item; once resumed, the paused confirm must
+ * fail (the version check fences it) and never allocate.
+ */
+async function pauseScenario(a: Instance, b: Instance, c: Instance, databaseUrl: string): Promise<void> {
+  const pg = (await import('pg')).default;
+  for (let attempt = 1; attempt <= 5; attempt++) {
+    const r = await api(b, 'POST', '/v1/pools/pause/reservations', { owner: 'paused-buyer', ttlMs: 1500 });
+    if (r.status !== 201) throw new Error(`pause scenario: reserve ${r.status} ${JSON.stringify(r.body)}`);
+    const id = r.body.items[0].resourceId;
+    const paused = fetch(`${a.url}/v1/reservations/${r.body.id}/confirm`, {
+      method: 'POST',
+      headers: { 'content-type': 'application/json' },
+      body: JSON.stringify({ resourceIds: [id] }),
+    }).then(async (res) => ({ status: res.status, body: (await res.json()) as any }));
+    await sleep(2 + attempt);
+    a.pause();
+    // Longer than the TTL and the commit window: the sweepers of b and c hand the item back.
+    let rival: { status: number; body: any } | undefined;
+    const until = Date.now() + 10_000;
+    await sleep(1500);
+    while (Date.now() < until) {
+      const t = await api(b, 'POST', '/v1/pools/pause/reservations', { owner: 'rival' });
+      if (t.status === 201) {
+        rival = await api(c, 'POST', `/v1/reservations/${t.body.id}/confirm`, { resourceIds: [id] });
+        break;
+      }
+      await sleep(200);
+    }
+    a.resume();
+    const victim = await paused;
+    if (!rival) {
+      // The confirm finished before the pause took hold: give the item back and try again.
+      if (victim.status !== 200) throw new Error(`pause scenario: no rival could reserve, paused confirm ${victim.status}`);
+      await api(b, 'POST', `/v1/pools/pause/resources/${id}/release`, { owner: 'paused-buyer' });
+      say(`pause scenario attempt ${attempt}: the confirm finished before SIGSTOP; again`);
+      continue;
+    }
+    const sql = new pg.Client({ connectionString: databaseUrl });
+    await sql.connect();
+    const rows = (await sql.query(`SELECT owner, state FROM t_resource WHERE id = $1`, [id])).rows;
+    await sql.end();
+    say(
+      `pause scenario: rival confirm ${rival.status}, paused confirm ${victim.status} ${victim.body?.error?.code ?? ''}; owner now ${rows[0].owner}`,
+    );
+    if (rival.status !== 200 || victim.status === 200 || rows[0].owner !== 'rival') {
+      throw new Error(`pause scenario violated: rival ${rival.status}, paused ${victim.status}, owner ${rows[0].owner}`);
+    }
+    await api(b, 'POST', `/v1/pools/pause/resources/${id}/release`, { owner: 'rival' });
+    return;
+  }
+  throw new Error('pause scenario: could not pause an instance inside a confirm in 5 attempts');
+}
+
+/** Deletes every reservation and abandons every lease the clients left open. */
+async function releaseOpenHolds(t: Traffic, at: Instance): Promise<void> {
+  const closed = new Set<string>();
+  const opened: { id: string; lease: boolean }[] = [];
+  for (const e of t.log) {
+    if (e.op === 'reserve' && e.status === 201) opened.push({ id: e.answer.id, lease: false });
+    if (e.op === 'pull' && e.status === 200) opened.push({ id: e.answer.leaseId, lease: true });
+    if (['confirm', 'release'].includes(e.op) && e.status === 200) closed.add(e.path.split('/')[3]);
+    if (['complete', 'abandon'].includes(e.op) && e.status === 200) closed.add(e.path.split('/')[3]);
+  }
+  const open = opened.filter((o) => !closed.has(o.id));
+  for (let i = 0; i < open.length; i += 50) {
+    await Promise.all(
+      open
+        .slice(i, i + 50)
+        .map((o) =>
+          (o.lease ? api(at, 'POST', `/v1/tasks/${o.id}/abandon`) : api(at, 'DELETE', `/v1/reservations/${o.id}`)).catch(() => undefined),
+        ),
+    );
+  }
+}
+
+/** Waits until every unallocated item is free, then takes them all: none may be allocated already. */
+async function wholePoolReservable(at: Instance, databaseUrl: string) {
+  const violations: string[] = [];
+  const result = { numbers: 0, tasks: 0, violations };
+  const deadline = Date.now() + 15_000;
+  for (const pool of ['numbers', 'reviews'] as const) {
+    for (;;) {
+      const stats = (await api(at, 'GET', `/v1/pools/${pool}`)).body.stats;
+      if (stats.free === stats.total - stats.allocated) break;
+      if (Date.now() > deadline) {
+        violations.push(`${pool}: only ${stats.free} of ${stats.total - stats.allocated} unallocated items free`);
+        break;
+      }
+      await sleep(100);
+    }
+  }
+  const pg = (await import('pg')).default;
+  const sql = new pg.Client({ connectionString: databaseUrl });
+  await sql.connect();
+  try {
+    const allocated = new Set((await sql.query(`SELECT id::text FROM t_resource WHERE state = 2`)).rows.map((r) => r.id));
+    for (;;) {
+      const r = await api(at, 'POST', '/v1/pools/numbers/reservations', { owner: 'final-sweep', count: 100 });
+      if (r.status !== 201) {
+        const single = await api(at, 'POST', '/v1/pools/numbers/reservations', { owner: 'final-sweep', count: 1 });
+        if (single.status !== 201) break;
+        r.body = single.body;
+      }
+      for (const item of r.body.items)
+        if (allocated.has(item.resourceId)) violations.push(`allocated item ${item.resourceId} was reservable`);
+      result.numbers += r.body.items.length;
+    }
+    for (;;) {
+      const r = await api(at, 'POST', '/v1/pools/reviews/tasks/next', { reviewer: 'final-sweep' });
+      if (r.status !== 200) break;
+      if (allocated.has(r.body.resourceId)) violations.push(`allocated task ${r.body.resourceId} was leased`);
+      result.tasks++;
+    }
+    const free = (
+      await sql.query(
+        `SELECT p.name, count(*)::int AS n FROM t_resource r JOIN t_pool p ON p.id = r.pool_id WHERE r.state = 1 GROUP BY p.name`,
+      )
+    ).rows;
+    const expected = Object.fromEntries(free.map((r) => [r.name, r.n]));
+    if (result.numbers !== expected.numbers) violations.push(`numbers: reserved ${result.numbers}, Postgres has ${expected.numbers} free`);
+    if (result.tasks !== expected.reviews) violations.push(`tasks: leased ${result.tasks}, Postgres has ${expected.reviews} free`);
+  } finally {
+    await sql.end();
+  }
+  return result;
+}
+
+main().then(
+  (code) => process.exit(code),
+  (err: unknown) => {
+    console.error(err);
+    process.exit(1);
+  },
+);

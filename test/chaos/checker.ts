@@ -1,0 +1,147 @@
+import type { Redis } from 'ioredis';
+import pg from 'pg';
+import { Exchange } from './clients.js';
+
+export interface FaultWindow {
+  kind: string;
+  start: number;
+  end: number;
+  /** Redis state was lost (flush, kill): holds taken before it are not owed to anyone. */
+  losesRedis?: boolean;
+  /** The instance that was paused or killed, if any. */
+  instance?: string;
+}
+
+const GRACE_MS = 3000;
+
+// An atomic snapshot of a pool's live holds (the script runs alone in Redis).
+const SNAPSHOT = `
+local base = ARGV[1]
+local held = {}
+for _, key in ipairs(redis.call('KEYS', base .. 'r:*')) do
+  local state = redis.call('HGET', key, 's')
+  if state == 'held' or state == 'confirming' then
+    local rid = string.sub(key, #base + 3)
+    for _, item in ipairs(cjson.decode(redis.call('HGET', key, 'i'))) do
+      if redis.call('GET', base .. 'h:' .. item.id) == rid then held[#held + 1] = item.id .. ' ' .. rid end
+    end
+  end
+end
+return { held, redis.call('ZRANGE', base .. 'free', 0, -1) }`;
+
+/** Samples Redis during the run: an item in two live holds, or free while held, is a violation. */
+export class HoldSampler {
+  samples = 0;
+  samplesWithHolds = 0;
+  readonly violations: string[] = [];
+
+  constructor(
+    private readonly redis: Redis,
+    private readonly bases: string[],
+  ) {}
+
+  async sample(): Promise<void> {
+    for (const base of this.bases) {
+      let reply: [string[], string[]];
+      try {
+        reply = (await this.redis.eval(SNAPSHOT, 0, base)) as [string[], string[]];
+      } catch {
+        return; // Redis is down or slow right now: nothing to sample
+      }
+      this.samples++;
+      const holders = new Map<string, string[]>();
+      for (const entry of reply[0]) {
+        const [id, rid] = entry.split(' ');
+        holders.set(id, [...(holders.get(id) ?? []), rid]);
+      }
+      if (holders.size > 0) this.samplesWithHolds++;
+      for (const [id, rids] of holders)
+        if (rids.length > 1) this.violations.push(`item ${id} in ${rids.length} live holds: ${rids.join(', ')}`);
+      for (const member of reply[1]) {
+        const id = member.slice(member.lastIndexOf('\0') + 1);
+        if (holders.has(id)) this.violations.push(`item ${id} free while held by ${holders.get(id)!.join(', ')}`);
+      }
+    }
+  }
+}
+
+export interface Verdict {
+  violations: string[];
+  counts: Record<string, number>;
+}
+
+function inWindow(e: Exchange, windows: FaultWindow[]): FaultWindow | undefined {
+  return windows.find((w) => e.sentAt <= w.end + GRACE_MS && e.doneAt >= w.start);
+}
+
+/** Checks every client's log and Postgres' history against the invariants. */
+export async function check(log: Exchange[], windows: FaultWindow[], databaseUrl: string): Promise<Verdict> {
+  const violations: string[] = [];
+  const counts: Record<string, number> = { requests: log.length, ok: 0, '503': 0, network: 0, hung: 0, '500': 0, excused: 0 };
+  for (const e of log) {
+    if (e.status >= 200 && e.status < 300) counts.ok++;
+    if (e.status === 503) counts['503']++;
+    if (e.status === 0) counts.network++;
+    if (e.status === -1) {
+      counts.hung++;
+      violations.push(`hung: ${e.op} ${e.path} on ${e.instance} sent ${new Date(e.sentAt).toISOString()}`);
+    }
+    if (e.status >= 500 && e.status !== 503) {
+      counts['500']++;
+      violations.push(`${e.status}: ${e.op} ${e.path} on ${e.instance}: ${JSON.stringify(e.answer)}`);
+    }
+    const fault = inWindow(e, windows);
+    if ((e.status === 503 || e.status === 0) && !fault) {
+      violations.push(
+        `${e.status === 0 ? 'connection failed' : '503'} outside any fault: ${e.op} ${e.path} on ${e.instance} at ${new Date(e.sentAt).toISOString()}`,
+      );
+    }
+    // Hold honoured: a confirm that arrived before expiresAt succeeds.
+    if ((e.op === 'confirm' || e.op === 'complete') && e.expiresAt && e.sentAt < e.expiresAt && e.status !== 200) {
+      const dependencyDown = (e.status === 503 || e.status === 0) && fault;
+      const redisLost = windows.some((w) => w.losesRedis && w.start >= (e.reservationCreatedAt ?? 0) && w.start <= e.doneAt);
+      const instancePaused = windows.some((w) => w.instance === e.instance && e.sentAt <= w.end && e.doneAt >= w.start);
+      if (dependencyDown || redisLost || instancePaused) counts.excused++;
+      else
+        violations.push(
+          `hold not honoured: ${e.op} ${e.path} sent ${e.expiresAt - e.sentAt} ms before expiry on ${e.instance}: ${e.status} ${JSON.stringify(e.answer)}`,
+        );
+    }
+  }
+
+  const sql = new pg.Client({ connectionString: databaseUrl });
+  await sql.connect();
+  try {
+    // Single allocation: per item, versions strictly increase and allocate/release alternate.
+    const history = await sql.query<{ resource_id: string; action: string; version: number; reservation_id: string | null }>(
+      `SELECT resource_id::text, action, version, reservation_id FROM t_allocation_history ORDER BY resource_id, id`,
+    );
+    counts.allocations = history.rows.filter((h) => h.action === 'allocate').length;
+    let previous: (typeof history.rows)[number] | undefined;
+    for (const h of history.rows) {
+      const first = !previous || previous.resource_id !== h.resource_id;
+      if (first && h.action !== 'allocate') violations.push(`item ${h.resource_id}: history starts with ${h.action}`);
+      if (!first && previous) {
+        if (h.version <= previous.version) violations.push(`item ${h.resource_id}: version ${h.version} after ${previous.version}`);
+        if (h.action === previous.action) violations.push(`item ${h.resource_id}: ${h.action} twice in a row (allocated twice?)`);
+      }
+      previous = h;
+    }
+    // Every allocation acknowledged to a client is in Postgres.
+    const recorded = new Set(history.rows.filter((h) => h.action === 'allocate').map((h) => `${h.reservation_id} ${h.resource_id}`));
+    for (const e of log) {
+      if (e.status !== 200) continue;
+      if (e.op === 'confirm') {
+        const rid = e.path.split('/')[3];
+        for (const a of e.answer.allocated)
+          if (!recorded.has(`${rid} ${a.resourceId}`)) violations.push(`acknowledged but not in Postgres: ${rid} ${a.resourceId}`);
+      }
+      if (e.op === 'complete' && !recorded.has(`${e.answer.leaseId} ${e.answer.resourceId}`)) {
+        violations.push(`acknowledged but not in Postgres: ${e.answer.leaseId} ${e.answer.resourceId}`);
+      }
+    }
+  } finally {
+    await sql.end();
+  }
+  return { violations, counts };
+}

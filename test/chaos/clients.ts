@@ -1,0 +1,141 @@
+import { Instance } from './cluster.js';
+
+export interface Exchange {
+  client: string;
+  instance: string;
+  op: string;
+  path: string;
+  body?: unknown;
+  sentAt: number;
+  doneAt: number;
+  status: number; // 0 = network error (instance killed), -1 = no answer before the timeout
+  answer?: any;
+  /** For confirm/complete: the reservation's expiresAt as the client last knew it. */
+  expiresAt?: number;
+  reservationCreatedAt?: number;
+}
+
+const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));
+const pick = <T>(xs: T[]): T => xs[Math.floor(Math.random() * xs.length)];
+const between = (lo: number, hi: number) => lo + Math.random() * (hi - lo);
+
+/** Talks to the instances and keeps every request and answer, for the checker. */
+export class Traffic {
+  readonly log: Exchange[] = [];
+  stopped = false;
+
+  constructor(
+    readonly instances: Instance[],
+    readonly timeoutMs: number,
+  ) {}
+
+  live(except?: Instance): Instance {
+    const up = this.instances.filter((i) => i.state === 'up' && i !== except);
+    return up.length ? pick(up) : pick(this.instances.filter((i) => i.state === 'up'));
+  }
+
+  async call(client: string, instance: Instance, op: string, method: string, path: string, body?: unknown, extra: Partial<Exchange> = {}) {
+    const entry: Exchange = { client, instance: instance.name, op, path, body, sentAt: Date.now(), doneAt: 0, status: 0, ...extra };
+    this.log.push(entry);
+    try {
+      const res = await fetch(`${instance.url}${path}`, {
+        method,
+        headers: body === undefined ? {} : { 'content-type': 'application/json' },
+        body: body === undefined ? undefined : JSON.stringify(body),
+        signal: AbortSignal.timeout(this.timeoutMs),
+      });
+      entry.status = res.status;
+      const text = await res.text();
+      entry.answer = text ? JSON.parse(text) : undefined;
+    } catch (err) {
+      entry.status = (err as Error).name === 'TimeoutError' ? -1 : 0;
+      entry.answer = String((err as Error).message);
+    }
+    entry.doneAt = Date.now();
+    return entry;
+  }
+}
+
+/** A buyer: reserve 3, then confirm 1 in time, late, twice, on another instance, or walk away. Releases what it bought later. */
+export async function buyer(t: Traffic, id: string, pool: string): Promise<void> {
+  const owner = `buyer-${id}`;
+  const bought: string[] = [];
+  while (!t.stopped) {
+    await sleep(between(200, 1500));
+    if (t.stopped) break;
+    const at = t.live();
+    const ttlMs = Math.round(between(2000, 4000));
+    const r = await t.call(owner, at, 'reserve', 'POST', `/v1/pools/${pool}/reservations`, { owner, count: 3, ttlMs });
+    if (r.status !== 201) continue;
+    const reservation = r.answer;
+    const expiresAt = Date.parse(reservation.expiresAt);
+    const choice = reservation.items[Math.floor(Math.random() * 3)].resourceId;
+    const roll = Math.random();
+    const confirm = (instance: Instance) =>
+      t.call(
+        owner,
+        instance,
+        'confirm',
+        'POST',
+        `/v1/reservations/${reservation.id}/confirm`,
+        { resourceIds: [choice] },
+        {
+          expiresAt,
+          reservationCreatedAt: r.sentAt,
+        },
+      );
+    let done;
+    if (roll < 0.55) {
+      await sleep(between(0, ttlMs * 0.6));
+      done = await confirm(t.live());
+    } else if (roll < 0.65) {
+      await sleep(ttlMs + between(500, 2500)); // late: after expiry
+      done = await confirm(t.live());
+    } else if (roll < 0.75) {
+      await sleep(between(0, ttlMs * 0.5));
+      const first = t.live();
+      const both = await Promise.all([confirm(first), confirm(t.live(first))]); // twice, on two instances
+      done = both.find((x) => x.status === 200) ?? both[0];
+    } else if (roll < 0.85) {
+      await t.call(owner, t.live(), 'release', 'DELETE', `/v1/reservations/${reservation.id}`);
+    } // else: walks away; the hold expires
+    if (done?.status === 200) bought.push(choice);
+    if (bought.length > 0 && Math.random() < 0.5) {
+      const item = bought.shift()!;
+      await t.call(owner, t.live(), 'release-resource', 'POST', `/v1/pools/${pool}/resources/${item}/release`, { owner });
+    }
+  }
+}
+
+/** A reviewer: pull a task, heartbeat, then complete, abandon or vanish. Gives completed tasks back later (re-review). */
+export async function reviewer(t: Traffic, id: string, pool: string): Promise<void> {
+  const name = `reviewer-${id}`;
+  const done: string[] = [];
+  while (!t.stopped) {
+    await sleep(between(200, 1500));
+    if (t.stopped) break;
+    const lease = await t.call(name, t.live(), 'pull', 'POST', `/v1/pools/${pool}/tasks/next`, { reviewer: name, leaseMs: 3000 });
+    if (lease.status !== 200) continue;
+    const { leaseId, resourceId } = lease.answer;
+    let expiresAt = Date.parse(lease.answer.expiresAt);
+    await sleep(between(100, 1500));
+    if (Math.random() < 0.5) {
+      const beat = await t.call(name, t.live(), 'heartbeat', 'POST', `/v1/tasks/${leaseId}/heartbeat`, { leaseMs: 3000 });
+      if (beat.status === 200) expiresAt = Date.parse(beat.answer.expiresAt);
+      await sleep(between(100, 1000));
+    }
+    const roll = Math.random();
+    if (roll < 0.5) {
+      const c = await t.call(name, t.live(), 'complete', 'POST', `/v1/tasks/${leaseId}/complete`, undefined, {
+        expiresAt,
+        reservationCreatedAt: lease.sentAt,
+      });
+      if (c.status === 200) done.push(resourceId);
+    } else if (roll < 0.8) {
+      await t.call(name, t.live(), 'abandon', 'POST', `/v1/tasks/${leaseId}/abandon`);
+    } // else: vanishes; the lease expires
+    if (done.length > 0 && Math.random() < 0.5) {
+      await t.call(name, t.live(), 'release-resource', 'POST', `/v1/pools/${pool}/resources/${done.shift()}/release`, { owner: name });
+    }
+  }
+}
