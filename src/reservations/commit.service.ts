@@ -73,15 +73,21 @@ export class CommitService {
       items: r.items,
       expiresMs: r.expiresMs,
     };
+    const allocation = {
+      poolId: pool.id,
+      owner: r.owner,
+      reservationId: r.id,
+      epoch: r.epoch,
+      items: picked.map((i) => ({ id: i.id, version: i.n })),
+      body: outcome as unknown as Record<string, unknown>,
+    };
     let result;
     try {
-      result = await this.resources.allocate({
-        poolId: pool.id,
-        owner: r.owner,
-        reservationId: r.id,
-        epoch: r.epoch,
-        items: picked.map((i) => ({ id: i.id, version: i.n })),
-        body: outcome as unknown as Record<string, unknown>,
+      result = await this.resources.allocate(allocation).catch((err: unknown) => {
+        // A lost connection (a Postgres restart, a session ended while this process was paused): try once
+        // more on a fresh one. Safe: if the first attempt did commit, the epoch's decision row says so.
+        if (err instanceof DomainError && err.code === ErrorCode.DEPENDENCY_UNAVAILABLE) return this.resources.allocate(allocation);
+        throw err;
       });
     } catch (err) {
       // Postgres did not answer: held again until its expiry, so the caller's retry can still succeed.

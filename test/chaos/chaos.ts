@@ -246,7 +246,8 @@ async function pauseScenario(a: Instance, b: Instance, c: Instance, databaseUrl:
     say(
       `pause scenario: rival confirm ${rival.status}, paused confirm ${victim.status} ${victim.body?.error?.code ?? ''}; owner now ${rows[0].owner}`,
     );
-    if (rival.status !== 200 || victim.status === 200 || rows[0].owner !== 'rival') {
+    // The paused confirm is fenced in Postgres (its commit epoch was given up, the version moved on) and says so.
+    if (rival.status !== 200 || victim.status !== 409 || victim.body?.error?.code !== 'HOLD_LOST' || rows[0].owner !== 'rival') {
       throw new Error(`pause scenario violated: rival ${rival.status}, paused ${victim.status}, owner ${rows[0].owner}`);
     }
     await api(b, 'POST', `/v1/pools/pause/resources/${id}/release`, { owner: 'rival' });
