@@ -136,9 +136,15 @@ export class HoldStore implements OnApplicationShutdown {
   private async run<T>(name: ScriptName, pool: string, ...args: (string | number)[]): Promise<T> {
     const keys = poolKeys(this.prefix, pool);
     const call = (this.redis as unknown as Record<string, ScriptCall>)[`rp_${name}`];
+    // KEYS[1] names the pool's slot (for Redis Cluster routing); the scripts build their keys from the base.
+    const once = () => call.call(this.redis, keys.free, keys.base, ...args) as Promise<T>;
     try {
-      // KEYS[1] names the pool's slot (for Redis Cluster routing); the scripts build their keys from the base.
-      return (await call.call(this.redis, keys.free, keys.base, ...args)) as T;
+      return await once().catch((err: unknown) => {
+        // A timed-out command may or may not have run. Every script but reserve has the same effect when
+        // run twice, so those get one more try: a process that was paused finds its timers expired at once.
+        if (name !== 'reserve' && err instanceof Error && err.message === 'Command timed out') return once();
+        throw err;
+      });
     } catch (err) {
       throw isRedisOutage(err) ? DomainError.unavailable('redis', err) : err;
     }

@@ -169,8 +169,25 @@ async function main(): Promise<number> {
     const flowMs = Date.now() - stopAt;
     say(`whole pool reservable again ${flowMs} ms after the load stopped (${flow.numbers} numbers, ${flow.tasks} tasks free)`);
 
+    // Graceful shutdown: requests in flight when SIGTERM arrives are all answered, then the process exits 0.
+    proxy.latencyMs = 150;
+    const inFlight = Array.from({ length: 50 }, (_, i) =>
+      api(c, 'POST', '/v1/pools/numbers/reservations', { owner: `sigterm-${i}`, count: 1 }).catch((err: Error) => ({
+        status: 0,
+        body: err.message,
+      })),
+    );
+    await sleep(100);
+    const shutdown = await c.terminate();
+    const answered = await Promise.all(inFlight);
+    proxy.latencyMs = 0;
+    const unanswered = answered.filter((r) => r.status !== 201 && r.status !== 409);
+    say(`SIGTERM with 50 requests in flight: exit code ${shutdown.code} after ${shutdown.ms} ms; ${50 - unanswered.length} answered`);
+
     const verdict = await check(traffic.log, windows, pg.url);
     verdict.violations.push(...sampler.violations, ...flow.violations);
+    if (shutdown.code !== 0) verdict.violations.push(`graceful shutdown exited with ${shutdown.code}`);
+    for (const r of unanswered) verdict.violations.push(`request in flight at SIGTERM got ${r.status} ${JSON.stringify(r.body)}`);
     if (flowMs > 5000) verdict.violations.push(`the pool took ${flowMs} ms to become reservable again`);
     if (sampler.samplesWithHolds < 5) verdict.violations.push(`hold sampler saw live holds only ${sampler.samplesWithHolds} times`);
     const report = {
@@ -179,6 +196,7 @@ async function main(): Promise<number> {
       holdSamples: sampler.samples,
       recoveryMs: recovery,
       wholePoolReservableMs: flowMs,
+      gracefulShutdownMs: shutdown.ms,
       violations: verdict.violations.length,
     };
     writeFileSync(join(workDir, 'report.json'), JSON.stringify({ report, violations: verdict.violations, windows }, null, 2));

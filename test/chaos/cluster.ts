@@ -181,6 +181,17 @@ export class Instance {
     this.state = 'up';
   }
 
+  /** SIGTERM; resolves with the exit code and how long the graceful shutdown took. */
+  async terminate(): Promise<{ code: number | null; ms: number }> {
+    const child = this.child!;
+    const started = Date.now();
+    const exited = new Promise<number | null>((resolve) => child.once('exit', (code) => resolve(code)));
+    child.kill('SIGTERM');
+    const code = await exited;
+    this.state = 'down';
+    return { code, ms: Date.now() - started };
+  }
+
   async stop(): Promise<void> {
     const child = this.child;
     if (!child || child.exitCode !== null || child.signalCode !== null) return;
