@@ -14,6 +14,10 @@ async function main(): Promise<void> {
         console.error(`respool: shutdown took longer than ${config.SHUTDOWN_TIMEOUT_MS} ms; exiting`);
         process.exit(1);
       }, config.SHUTDOWN_TIMEOUT_MS).unref();
+      // Keep-alive connections that finish their last request while we drain would hold the server open
+      // until their idle timeout: close each as soon as it is idle.
+      const server = app.getHttpServer();
+      setInterval(() => server.closeIdleConnections(), 50).unref();
       app.close().then(
         () => process.exit(0),
         (err: unknown) => {
