@@ -100,7 +100,8 @@ export async function buyer(t: Traffic, id: string, pool: string): Promise<void>
       await t.call(owner, t.live(), 'release', 'DELETE', `/v1/reservations/${reservation.id}`);
     } // else: walks away; the hold expires
     if (done?.status === 200) bought.push(choice);
-    if (bought.length > 0 && Math.random() < 0.5) {
+    // Each buyer keeps at most one number, so the pool keeps flowing.
+    if (bought.length > 1 || (bought.length > 0 && Math.random() < 0.3)) {
       const item = bought.shift()!;
       await t.call(owner, t.live(), 'release-resource', 'POST', `/v1/pools/${pool}/resources/${item}/release`, { owner });
     }
@@ -134,7 +135,7 @@ export async function reviewer(t: Traffic, id: string, pool: string): Promise<vo
     } else if (roll < 0.8) {
       await t.call(name, t.live(), 'abandon', 'POST', `/v1/tasks/${leaseId}/abandon`);
     } // else: vanishes; the lease expires
-    if (done.length > 0 && Math.random() < 0.5) {
+    if (done.length > 1 || (done.length > 0 && Math.random() < 0.3)) {
       await t.call(name, t.live(), 'release-resource', 'POST', `/v1/pools/${pool}/resources/${done.shift()}/release`, { owner: name });
     }
   }
