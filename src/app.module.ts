@@ -7,6 +7,7 @@ import { AllExceptionsFilter } from './common/all-exceptions.filter.js';
 import { AppConfig } from './config/app-config.js';
 import { CommitRepository } from './database/commit.repository.js';
 import { dataSourceOptions } from './database/data-source.js';
+import { GenerationRepository } from './database/generation.repository.js';
 import { JobMutexRepository } from './database/job-mutex.repository.js';
 import { PoolRepository } from './database/pool.repository.js';
 import { ResourceRepository } from './database/resource.repository.js';
@@ -30,7 +31,16 @@ import { TasksService } from './tasks/tasks.service.js';
 @Module({})
 class InfrastructureModule {
   static forRoot(config: AppConfig): DynamicModule {
-    const shared = [HoldStore, PoolRepository, ResourceRepository, CommitRepository, JobMutexRepository, MetricsService, PoolCatalog];
+    const shared = [
+      HoldStore,
+      PoolRepository,
+      ResourceRepository,
+      CommitRepository,
+      JobMutexRepository,
+      GenerationRepository,
+      MetricsService,
+      PoolCatalog,
+    ];
     return {
       module: InfrastructureModule,
       providers: [

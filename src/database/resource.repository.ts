@@ -1,5 +1,6 @@
 import { Injectable } from '@nestjs/common';
 import { DataSource } from 'typeorm';
+import { GENERATION_LOCK } from './generation.repository.js';
 import { pg, sqlState } from './postgres.js';
 
 export interface ResourceRow {
@@ -25,6 +26,8 @@ export interface Allocation {
   reservationId: string;
   /** The reservation's commit epoch: Postgres records that this epoch ended in a commit. */
   epoch: number;
+  /** The Redis generation the holds were taken in: the commit lands only if it is still current. */
+  generation: number;
   /** The items to allocate, each with the version the hold was taken at (the fencing token). */
   items: { id: string; version: number }[];
   /** The confirm/complete answer, stored so that retries get the same body. */
@@ -75,18 +78,24 @@ export class ResourceRepository {
     return pg(async () => {
       try {
         return await this.db.transaction(async (tx) => {
+          // Shared with every other commit; a bump of the Redis generation waits for it (and we for a bump).
+          // Its own statement, so that the next one reads the generation with a snapshot taken after it.
+          await tx.query(`SELECT pg_advisory_xact_lock_shared($1)`, [GENERATION_LOCK]);
           let updated: { id: string }[];
           try {
-            // One statement: the epoch's decision, the version-checked UPDATE, a history row per item.
+            // One statement: the generation check, the epoch's decision, the version-checked UPDATE, a
+            // history row per item.
             updated = await tx.query(
-              `WITH decided AS (
-                 INSERT INTO t_commit_decision (reservation_id, epoch, decision) VALUES ($5, $6, 'commit')
+              `WITH gen AS (
+                 SELECT 1 FROM t_redis_generation WHERE gen = $7
+               ), decided AS (
+                 INSERT INTO t_commit_decision (reservation_id, epoch, decision) SELECT $5, $6, 'commit' FROM gen
                ), chosen AS (
                  SELECT * FROM unnest($2::bigint[], $3::int[]) AS c(id, version)
                ), upd AS (
                  UPDATE t_resource r
                     SET state = 2, version = r.version + 1, owner = $4, update_time = now()
-                   FROM chosen c
+                   FROM chosen c, gen
                   WHERE r.id = c.id AND r.pool_id = $1 AND r.state = 1 AND r.version = c.version
                  RETURNING r.id, r.version
                ), hist AS (
@@ -94,7 +103,7 @@ export class ResourceRepository {
                  SELECT id, $1, 'allocate', $4, $5, version FROM upd
                )
                SELECT id::text AS id FROM upd`,
-              [a.poolId, a.items.map((i) => i.id), a.items.map((i) => i.version), a.owner, a.reservationId, a.epoch],
+              [a.poolId, a.items.map((i) => i.id), a.items.map((i) => i.version), a.owner, a.reservationId, a.epoch, a.generation],
             );
           } catch (err) {
             // The epoch was already ended: by a concurrent confirm of this reservation, or by the sweeper.

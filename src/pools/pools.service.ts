@@ -1,6 +1,7 @@
 import { Injectable, Logger } from '@nestjs/common';
 import { DomainError, ErrorCode } from '../common/errors.js';
 import { PoolEntity, RESOURCE_ALLOCATED } from '../database/entities.js';
+import { GenerationRepository } from '../database/generation.repository.js';
 import { PoolRepository } from '../database/pool.repository.js';
 import { ResourceRepository, ResourceRow } from '../database/resource.repository.js';
 import { isAllocationTombstone } from '../redis/keys.js';
@@ -35,6 +36,7 @@ export class PoolsService {
     private readonly resources: ResourceRepository,
     private readonly catalog: PoolCatalog,
     private readonly holds: HoldStore,
+    private readonly generations: GenerationRepository,
   ) {}
 
   async create(dto: CreatePoolDto): Promise<PoolDto> {
@@ -79,7 +81,7 @@ export class PoolsService {
       dto.items.map((i) => ({ value: i.value, attributes: i.attributes ?? {}, groupKey: i.groupKey ?? null })),
     );
     try {
-      await this.holds.addFree(pool.name, 'rebuild', rows.map(toCachedItem));
+      await this.holds.addFree(pool.name, await this.generations.current(), rows.map(toCachedItem));
     } catch (err) {
       // The rows are committed; the reconciler adds them to Redis once it is back.
       this.logger.warn(`imported ${rows.length} items into "${pool.name}" but could not index them in Redis: ${String(err)}`);
@@ -109,7 +111,7 @@ export class PoolsService {
       throw new DomainError(ErrorCode.NOT_ALLOCATED, `resource ${id} is not allocated to "${owner}"`, { resourceId: id, owner });
     }
     try {
-      await this.holds.addFree(pool.name, 'release', [toCachedItem(row)]);
+      await this.holds.addFree(pool.name, await this.generations.current(), [toCachedItem(row)]);
     } catch (err) {
       this.logger.warn(`released resource ${id} of "${pool.name}" but could not index it in Redis: ${String(err)}`);
     }

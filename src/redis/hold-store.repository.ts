@@ -31,6 +31,8 @@ export interface StoredReservation {
   nowMs: number;
   /** Commit epoch: 0 until a confirm first pins the reservation. */
   epoch: number;
+  /** The Redis generation the holds were taken in. */
+  generation: number;
 }
 
 export interface ReserveRequest {
@@ -88,7 +90,7 @@ function loadScript(name: string): string {
 }
 
 function parseReservation(reply: string[]): StoredReservation {
-  const [, id, state, owner, kind, created, expires, items, outcome, now, epoch] = reply;
+  const [, id, state, owner, kind, created, expires, items, outcome, now, epoch, generation] = reply;
   return {
     id,
     state: state as StoredState,
@@ -100,6 +102,7 @@ function parseReservation(reply: string[]): StoredReservation {
     outcome: outcome ? (JSON.parse(outcome) as Record<string, unknown>) : null,
     nowMs: Number(now),
     epoch: Number(epoch ?? 0),
+    generation: Number(generation ?? 0),
   };
 }
 
@@ -271,12 +274,15 @@ export class HoldStore implements OnApplicationShutdown {
     return reply === -2 ? 'held' : reply === -1 ? 'stale' : 'expired';
   }
 
-  /** Adds items that are free in Postgres to the free index; returns how many were not there yet. */
-  async addFree(pool: string, mode: 'rebuild' | 'release', items: CachedItem[]): Promise<number> {
+  /**
+   * Adds items that are free in Postgres to the free index; returns how many were not there yet.
+   * `generation` is the Redis generation current when Postgres was read.
+   */
+  async addFree(pool: string, generation: number, items: CachedItem[]): Promise<number> {
     let added = 0;
     for (let i = 0; i < items.length; i += 500) {
       const chunk = items.slice(i, i + 500).map((item) => JSON.stringify(item));
-      added += await this.run<number>('add_free', pool, mode, ...chunk);
+      added += await this.run<number>('add_free', pool, generation, ...chunk);
     }
     return added;
   }

@@ -54,7 +54,7 @@ export class CommitService {
         });
       case 'lost':
         this.metrics.confirmConflicts.inc({ reason: 'hold_taken' });
-        throw holdLost([pin.resourceId]);
+        throw holdLost([pin.resourceId], 'held_by_another');
       case 'confirmed':
         return sameSelection(pin.reservation.outcome as unknown as CommitOutcome, selection);
       case 'pinned':
@@ -78,6 +78,7 @@ export class CommitService {
       owner: r.owner,
       reservationId: r.id,
       epoch: r.epoch,
+      generation: r.generation,
       items: picked.map((i) => ({ id: i.id, version: i.n })),
       body: outcome as unknown as Record<string, unknown>,
     };
@@ -116,7 +117,7 @@ export class CommitService {
     }
     this.metrics.confirmConflicts.inc({ reason: 'version_changed' });
     if ((await this.resources.decideAbort(r.id, r.epoch)) === 'abort') await this.abortWithTruth(pool, r);
-    throw holdLost(selection);
+    throw holdLost(selection, 'version_changed');
   }
 
   /** The commit is durable in Postgres; if Redis fails now, the sweeper finishes it from the commit row. */
@@ -175,9 +176,10 @@ function sameSelection(outcome: CommitOutcome, selection: string[]): CommitOutco
   });
 }
 
-function holdLost(resourceIds: string[]): DomainError {
+function holdLost(resourceIds: string[], reason: 'held_by_another' | 'version_changed'): DomainError {
   return new DomainError(ErrorCode.HOLD_LOST, 'an item of the reservation was taken by someone else; nothing was allocated', {
     resourceIds,
+    reason,
   });
 }
 

@@ -1,5 +1,6 @@
 import { Injectable, Logger } from '@nestjs/common';
 import { randomUUID } from 'node:crypto';
+import { GenerationRepository } from '../database/generation.repository.js';
 import { JobMutexRepository } from '../database/job-mutex.repository.js';
 import { ResourceRepository } from '../database/resource.repository.js';
 import { MetricsService } from '../metrics/metrics.service.js';
@@ -26,6 +27,7 @@ export class RebuildService {
 
   constructor(
     private readonly mutex: JobMutexRepository,
+    private readonly generations: GenerationRepository,
     private readonly resources: ResourceRepository,
     private readonly catalog: PoolCatalog,
     private readonly holds: HoldStore,
@@ -41,10 +43,13 @@ export class RebuildService {
       // The marker is written first with a token of this run: if Redis is wiped while we rebuild, the
       // token is gone at the end and the rebuild starts over.
       for (let round = 1; ; round++) {
-        const token = `rebuilding:${this.instanceId}:${started}:${round}`;
+        // After a wipe, a new Redis generation: commits pinned before it can no longer land (the bump waits
+        // for those in flight), so the items the rebuild hands out again are really free.
+        const generation = reason === 'wiped' || round > 1 ? await this.generations.bump() : await this.generations.current();
+        const token = `${generation} rebuilding:${this.instanceId}:${started}:${round}`;
         await this.holds.setMarker(token);
         for (const pool of await this.catalog.all()) {
-          added += await this.rebuildPool(pool.id, pool.name);
+          added += await this.rebuildPool(pool.id, pool.name, generation);
           await this.mutex.tryAcquire(JOB, this.instanceId, LEASE_MS); // renew the lease between pools
         }
         if ((await this.holds.getMarker()) === token || round === 3) break;
@@ -61,7 +66,7 @@ export class RebuildService {
     }
   }
 
-  private async rebuildPool(poolId: string, pool: string): Promise<number> {
+  private async rebuildPool(poolId: string, pool: string, generation: number): Promise<number> {
     let added = 0;
     let after = '0';
     for (;;) {
@@ -69,7 +74,7 @@ export class RebuildService {
       const rows = await this.resources.freePage(poolId, after, PAGE);
       if (rows.length === 0) return added;
       if (Date.now() - readAt > PAGE_MAX_AGE_MS) continue; // too slow to trust: read the page again
-      added += await this.holds.addFree(pool, 'rebuild', rows.map(toCachedItem));
+      added += await this.holds.addFree(pool, generation, rows.map(toCachedItem));
       after = rows[rows.length - 1].id;
     }
   }

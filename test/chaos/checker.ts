@@ -104,7 +104,7 @@ export async function check(log: Exchange[], windows: FaultWindow[], databaseUrl
       if (dependencyDown || redisLost || instancePaused) counts.excused++;
       else
         violations.push(
-          `hold not honoured: ${e.op} ${e.path} sent ${e.expiresAt - e.sentAt} ms before expiry on ${e.instance}: ${e.status} ${JSON.stringify(e.answer)}`,
+          `hold not honoured: ${e.op} ${e.path} sent at ${new Date(e.sentAt).toISOString()}, ${e.expiresAt - e.sentAt} ms before expiry, reserved at ${new Date(e.reservationCreatedAt ?? 0).toISOString()}, on ${e.instance}: ${e.status} ${JSON.stringify(e.answer)}`,
         );
     }
   }

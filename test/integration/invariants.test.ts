@@ -139,6 +139,7 @@ describe('invariants 1-4 checked against the stores', () => {
       owner: 'slow',
       reservationId: r.body.id,
       epoch: pinned.reservation.epoch,
+      generation: pinned.reservation.generation,
       items: [{ id, version: 0 }],
       body: {},
     });
@@ -170,6 +171,7 @@ describe('invariants 1-4 checked against the stores', () => {
       owner: 'ghost',
       reservationId: r.body.id,
       epoch: pinned.reservation.epoch,
+      generation: pinned.reservation.generation,
       items: [{ id: chosen.resourceId, version: chosen.version }],
       body,
     });

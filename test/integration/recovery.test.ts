@@ -1,5 +1,8 @@
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { createApp } from '../../src/app.factory.js';
+import { PoolRepository } from '../../src/database/pool.repository.js';
+import { ResourceRepository } from '../../src/database/resource.repository.js';
+import { HoldStore } from '../../src/redis/hold-store.repository.js';
 import { TestInstance, TestWorld, eventually, numbers, seedPool, sleep } from '../support/harness.js';
 import { OwnRedis, TcpProxy } from '../support/services.js';
 
@@ -77,6 +80,37 @@ describe('recovery: Redis wiped or down, Postgres down, an instance gone', () =>
     const other = await api.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [r.body.items[1].resourceId] });
     expect(other.body.error.code).toBe('RESERVATION_CLOSED');
     await eventually(async () => (await stats('durable')).free === 2, 5000);
+  });
+
+  it('invariant 5: a confirm pinned before Redis was wiped cannot land on an item the rebuild handed out again', async () => {
+    await seedPool(api, 'wiped-mid-commit', numbers(1));
+    const r = await api.post('/v1/pools/wiped-mid-commit/reservations', { owner: 'slow', count: 1 });
+    const id = r.body.items[0].resourceId;
+    // The confirm pins its hold, then stalls before Postgres; meanwhile Redis is wiped and rebuilt.
+    const pinned = await api.app.get(HoldStore).pin('wiped-mid-commit', r.body.id, [id], 15_000);
+    if (pinned.status !== 'pinned') throw new Error(`pin: ${pinned.status}`);
+    const client = redis.client();
+    await client.flushall();
+    client.disconnect();
+    const { value: rival } = await eventually(async () => {
+      const t = await api.post('/v1/pools/wiped-mid-commit/reservations', { owner: 'rival', count: 1 });
+      return t.status === 201 ? t : null;
+    }, 5000);
+    // The stalled commit arrives with a valid version, but from the old Redis generation: refused.
+    const pool = await api.app.get(PoolRepository).findByName('wiped-mid-commit');
+    const late = await api.app.get(ResourceRepository).allocate({
+      poolId: pool!.id,
+      owner: 'slow',
+      reservationId: r.body.id,
+      epoch: pinned.reservation.epoch,
+      generation: pinned.reservation.generation,
+      items: [{ id, version: 0 }],
+      body: {},
+    });
+    expect(late).toBe('conflict');
+    const won = await api.post(`/v1/reservations/${rival.body.id}/confirm`, { resourceIds: [id] });
+    expect(won.status).toBe(200);
+    expect(await world.query(`SELECT owner FROM t_resource WHERE id = $1`, [id])).toEqual([{ owner: 'rival' }]);
   });
 
   it('invariant 6: with Redis down, reserve and confirm answer 503 DEPENDENCY_UNAVAILABLE and change nothing', async () => {

@@ -12,10 +12,12 @@
 --   <base>oh             HASH owner -> items held now (maxHoldsPerOwner)
 --   <base>og:<owner>     HASH group -> live leases of that owner in the group (task affinity)
 --   <base>idem:<key>     STRING "<rid>\n<body hash>", PX = idempotency TTL
+--   <base>gen            STRING, the Redis generation this pool's free index was built in (see t_redis_generation)
 -- Reservation fields: o owner, k kind ("r" reservation, "l" lease), s state (held, confirming, confirmed,
 -- released, expired), i items (JSON array of item JSON), c created ms, e expires ms, x outcome JSON,
 -- sel confirmed selection (sorted ids, comma separated), cnt "1" while its items count in oh/og,
--- ep the commit epoch: incremented by each pin that starts a commit (Postgres records who ended each epoch).
+-- ep the commit epoch: incremented by each pin that starts a commit (Postgres records who ended each epoch),
+-- g the Redis generation the holds were taken in (a commit lands only in that generation).
 
 local function tombstone(version)
   return 'A:' .. version
@@ -119,6 +121,6 @@ local function free_items(base, rid, items)
 end
 
 local function reservation_reply(status, rid, rkey, now)
-  local f = redis.call('HMGET', rkey, 's', 'o', 'k', 'c', 'e', 'i', 'x', 'ep')
-  return { status, rid, f[1] or '', f[2] or '', f[3] or '', f[4] or '', f[5] or '', f[6] or '[]', f[7] or '', tostring(now), f[8] or '0' }
+  local f = redis.call('HMGET', rkey, 's', 'o', 'k', 'c', 'e', 'i', 'x', 'ep', 'g')
+  return { status, rid, f[1] or '', f[2] or '', f[3] or '', f[4] or '', f[5] or '', f[6] or '[]', f[7] or '', tostring(now), f[8] or '0', f[9] or '0' }
 end

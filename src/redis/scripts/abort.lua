@@ -30,9 +30,12 @@ for _, item in ipairs(items) do
   local hkey = base .. 'h:' .. item.id
   local holder = redis.call('GET', hkey)
   if allocated[item.id] then
-    if holder == rid or not holder then redis.call('SET', hkey, tombstone(allocated[item.id]), 'PX', tombstone_ms) end
-    redis.call('HDEL', base .. 'item', item.id)
-    unindex(base, item)
+    local cached = redis.call('HGET', base .. 'item', item.id)
+    if not (cached and cjson.decode(cached).n > tonumber(allocated[item.id])) then
+      if holder == rid or not holder then redis.call('SET', hkey, tombstone(allocated[item.id]), 'PX', tombstone_ms) end
+      redis.call('HDEL', base .. 'item', item.id)
+      unindex(base, item)
+    end
   elseif fresh[item.id] then
     redis.call('HSET', base .. 'item', item.id, fresh[item.id].json)
     back[#back + 1] = fresh[item.id].item

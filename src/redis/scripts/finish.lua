@@ -9,15 +9,19 @@ local base, rid, selection, outcome = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local tombstone_ms, retention = tonumber(ARGV[5]), tonumber(ARGV[6])
 local chosen = {}
 for i = 7, #ARGV, 2 do
-  local m, version = ARGV[i], ARGV[i + 1]
+  local m, version = ARGV[i], tonumber(ARGV[i + 1])
   local id = id_of(m)
   chosen[id] = true
-  local hkey = base .. 'h:' .. id
-  local holder = redis.call('GET', hkey)
-  -- Never overwrite someone else's live hold (a late finish after an abort); Postgres has the truth.
-  if not holder or holder == rid or is_tombstone(holder) then redis.call('SET', hkey, tombstone(version), 'PX', tombstone_ms) end
-  redis.call('HDEL', base .. 'item', id)
-  redis.call('ZREM', base .. 'free', m)
+  local cached = redis.call('HGET', base .. 'item', id)
+  -- A cache entry at this version or newer means the item was released since (a late, repeated finish).
+  if not (cached and cjson.decode(cached).n >= version) then
+    local hkey = base .. 'h:' .. id
+    local holder = redis.call('GET', hkey)
+    -- Never overwrite someone else's live hold; Postgres has the truth.
+    if not holder or holder == rid or is_tombstone(holder) then redis.call('SET', hkey, tombstone(version), 'PX', tombstone_ms) end
+    redis.call('HDEL', base .. 'item', id)
+    redis.call('ZREM', base .. 'free', m)
+  end
 end
 
 local rkey = base .. 'r:' .. rid

@@ -105,7 +105,7 @@ end
 
 local rkey = base .. 'r:' .. rid
 redis.call('HSET', rkey, 'o', owner, 'k', kind, 's', 'held', 'i', '[' .. table.concat(jsons, ',') .. ']',
-  'c', now, 'e', now + ttl, 'cnt', '1')
+  'c', now, 'e', now + ttl, 'cnt', '1', 'g', redis.call('GET', base .. 'gen') or '0')
 redis.call('PEXPIRE', rkey, ttl + retention)
 redis.call('ZADD', base .. 'exp', now + ttl, rid)
 count_items(base, owner, kind, items, 1)
