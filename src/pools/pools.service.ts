@@ -54,6 +54,12 @@ export class PoolsService {
     });
     if (!pool) throw new DomainError(ErrorCode.POOL_EXISTS, `pool "${dto.name}" already exists`, { pool: dto.name });
     this.catalog.remember(pool);
+    try {
+      await this.holds.setGeneration(pool.name, await this.generations.current(), true);
+    } catch (err) {
+      // The pool exists in Postgres; the next rebuild gives it its generation.
+      this.logger.warn(`created pool "${pool.name}" but could not set its Redis generation: ${String(err)}`);
+    }
     return toPoolDto(pool);
   }
 

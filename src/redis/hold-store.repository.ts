@@ -287,6 +287,12 @@ export class HoldStore implements OnApplicationShutdown {
     return added;
   }
 
+  /** Writes the pool's Redis generation (the rebuild), or only if it has none yet (`ifMissing`, a new pool). */
+  async setGeneration(pool: string, generation: number, ifMissing = false): Promise<void> {
+    const key = `${poolKeys(this.prefix, pool).base}gen`;
+    await this.command(() => (ifMissing ? this.redis.set(key, generation, 'NX') : this.redis.set(key, generation)));
+  }
+
   async freeCount(pool: string): Promise<number> {
     return this.command(() => this.redis.zcard(poolKeys(this.prefix, pool).free));
   }

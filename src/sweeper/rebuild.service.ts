@@ -48,7 +48,10 @@ export class RebuildService {
         const generation = reason === 'wiped' || round > 1 ? await this.generations.bump() : await this.generations.current();
         const token = `${generation} rebuilding:${this.instanceId}:${started}:${round}`;
         await this.holds.setMarker(token);
-        for (const pool of await this.catalog.all()) {
+        const pools = await this.catalog.all();
+        // Every pool gets the generation before any item is added, so no hold is taken in an older one.
+        for (const pool of pools) await this.holds.setGeneration(pool.name, generation);
+        for (const pool of pools) {
           added += await this.rebuildPool(pool.id, pool.name, generation);
           await this.mutex.tryAcquire(JOB, this.instanceId, LEASE_MS); // renew the lease between pools
         }

@@ -44,6 +44,7 @@ describe('dependency outages', () => {
     expect(isPostgresOutage(new Error('Connection terminated unexpectedly'))).toBe(true);
     expect(isPostgresOutage({ code: '57P01' })).toBe(true);
     expect(isPostgresOutage({ code: '57014' })).toBe(true);
+    expect(isPostgresOutage({ code: '25P03' })).toBe(true);
     expect(isPostgresOutage({ driverError: { code: '08006' } })).toBe(true);
     expect(isPostgresOutage({ code: '42601' })).toBe(false);
     expect(isPostgresOutage({ code: '23505' })).toBe(false);

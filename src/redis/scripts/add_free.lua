@@ -2,11 +2,13 @@
 -- and the rebuild of a wiped or drifted Redis from Postgres.
 -- An item under a live hold is skipped; an allocation tombstone is dropped only when the item's version
 -- is newer than the allocation's (it was released since), so a page read before a commit re-adds nothing.
--- The pool's generation key is raised to the generation the caller read Postgres in.
+-- An existing generation key is raised to the generation the caller read Postgres in; a missing one (Redis
+-- wiped) is left for the rebuild to write.
 -- ARGV: 1 base, 2 Redis generation, 3.. item JSON ({"id","v","n","g","a"})
 -- Returns: number of items that were not in the free index before
 local base, generation = ARGV[1], tonumber(ARGV[2])
-if tonumber(redis.call('GET', base .. 'gen') or '-1') < generation then redis.call('SET', base .. 'gen', generation) end
+local current = redis.call('GET', base .. 'gen')
+if current and tonumber(current) < generation then redis.call('SET', base .. 'gen', generation) end
 local added = 0
 for i = 3, #ARGV do
   local json = ARGV[i]

@@ -28,6 +28,11 @@ if max_holds > 0 then
   if held + count > max_holds then return { 'quota', tostring(held) } end
 end
 
+-- No generation key: Redis was wiped and this pool is not rebuilt yet (the rebuild writes the key
+-- before it adds any item). Nothing may be held until then.
+local generation = redis.call('GET', base .. 'gen')
+if not generation then return { 'exhausted' } end
+
 local free = base .. 'free'
 local chosen, seen = {}, {}
 
@@ -105,7 +110,7 @@ end
 
 local rkey = base .. 'r:' .. rid
 redis.call('HSET', rkey, 'o', owner, 'k', kind, 's', 'held', 'i', '[' .. table.concat(jsons, ',') .. ']',
-  'c', now, 'e', now + ttl, 'cnt', '1', 'g', redis.call('GET', base .. 'gen') or '0')
+  'c', now, 'e', now + ttl, 'cnt', '1', 'g', generation)
 redis.call('PEXPIRE', rkey, ttl + retention)
 redis.call('ZADD', base .. 'exp', now + ttl, rid)
 count_items(base, owner, kind, items, 1)
