@@ -4,6 +4,7 @@ import { DomainError, ErrorCode } from '../common/errors.js';
 import { PoolEntity, RESOURCE_ALLOCATED } from '../database/entities.js';
 import { CommitRepository } from '../database/commit.repository.js';
 import { ResourceRepository } from '../database/resource.repository.js';
+import { GenerationRepository } from '../database/generation.repository.js';
 import { AllocatedItem, CachedItem, HoldStore, StoredReservation, compareIds } from '../redis/hold-store.repository.js';
 import { MetricsService } from '../metrics/metrics.service.js';
 import { toCachedItem } from '../pools/pools.service.js';
@@ -34,6 +35,7 @@ export class CommitService {
     private readonly commits: CommitRepository,
     private readonly metrics: MetricsService,
     private readonly config: AppConfig,
+    private readonly generations: GenerationRepository,
   ) {}
 
   async commit(pool: PoolEntity, reservationId: string, resourceIds: string[]): Promise<CommitOutcome> {
@@ -117,7 +119,15 @@ export class CommitService {
     }
     this.metrics.confirmConflicts.inc({ reason: 'version_changed' });
     if ((await this.resources.decideAbort(r.id, r.epoch)) === 'abort') await this.abortWithTruth(pool, r);
-    throw holdLost(selection, 'version_changed');
+    const rows = await this.resources.findMany(pool.id, selection);
+    const generation = await this.generations.current();
+    const err = holdLost(selection, 'version_changed');
+    Object.assign(err.details, {
+      found: rows.map((row) => ({ id: row.id, state: row.state, version: row.version })),
+      held: picked.map((i) => ({ id: i.id, version: i.n })),
+      generation: { held: r.generation, current: generation },
+    });
+    throw err;
   }
 
   /** The commit is durable in Postgres; if Redis fails now, the sweeper finishes it from the commit row. */

@@ -1,0 +1,363 @@
+/**
+ * respool benchmark: one command, everything measured in one run on this machine, as ratios against
+ * baselines measured in the same run. Writes docs/benchmarks.md and docs/benchmarks.svg.
+ *
+ *   npm run bench            # about 6 minutes
+ *   npm run bench -- --quick # shorter runs, for trying the script out
+ */
+import { ChildProcess, spawn } from 'node:child_process';
+import { readFileSync, writeFileSync } from 'node:fs';
+import os from 'node:os';
+import pg from 'pg';
+import PgBoss from 'pg-boss';
+import { Redis } from 'ioredis';
+import { freePort } from '../test/support/services.js';
+import { LoadResult, client, median, runLoad } from './load.js';
+
+const QUICK = process.argv.includes('--quick');
+const RUN_MS = QUICK ? 2000 : 5000;
+const REPEAT = QUICK ? 1 : 3;
+const CONNECTIONS = 100;
+const PG_ADMIN = 'postgres://postgres@127.0.0.1:5432/postgres';
+const DB = 'respool_bench';
+const DB_URL = `postgres://postgres@127.0.0.1:5432/${DB}`;
+const REDIS_URL = 'redis://127.0.0.1:6379';
+const PREFIX = `bench${Date.now()}:`;
+
+const say = (msg: string) => console.log(`[bench ${new Date().toISOString().slice(11, 19)}] ${msg}`);
+const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));
+
+function startProcess(args: string[], env: Record<string, string> = {}): ChildProcess {
+  return spawn(process.execPath, args, { env: { ...process.env, ...env }, stdio: ['ignore', 'ignore', 'inherit'] });
+}
+
+async function waitHttp(url: string): Promise<void> {
+  for (let i = 0; i < 300; i++) {
+    try {
+      await fetch(url, { signal: AbortSignal.timeout(1000) });
+      return;
+    } catch {
+      await sleep(100);
+    }
+  }
+  throw new Error(`${url} did not come up`);
+}
+
+function rssMb(pid: number): number {
+  const status = readFileSync(`/proc/${pid}/status`, 'utf8');
+  return Number(/VmRSS:\s+(\d+)/.exec(status)![1]) / 1024;
+}
+
+async function repeat(label: string, once: () => Promise<LoadResult>): Promise<LoadResult> {
+  const runs: LoadResult[] = [];
+  for (let i = 0; i < REPEAT; i++) runs.push(await once());
+  const m = median(runs);
+  say(`${label}: ${m.rps.toFixed(0)}/s p50 ${m.p50.toFixed(2)} ms p99 ${m.p99.toFixed(2)} ms ${JSON.stringify(m.byStatus)}`);
+  return m;
+}
+
+async function main(): Promise<void> {
+  const admin = new pg.Client({ connectionString: PG_ADMIN });
+  await admin.connect();
+  await admin.query(`DROP DATABASE IF EXISTS ${DB} WITH (FORCE)`);
+  const redis = new Redis(REDIS_URL);
+  const children: ChildProcess[] = [];
+  const rows: { name: string; value: string; baseline: string; ratio: string; target: string; met: string }[] = [];
+  const chart: { label: string; value: number }[] = [];
+  const record = (name: string, value: string, baseline: string, ratio: string, target: string, met: boolean | null) =>
+    rows.push({ name, value, baseline, ratio, target, met: met === null ? '' : met ? 'yes' : '**no**' });
+
+  try {
+    // respool itself.
+    const port = await freePort();
+    const service = startProcess(['dist/src/main.js'], {
+      PORT: String(port),
+      HOST: '127.0.0.1',
+      DATABASE_URL: DB_URL,
+      REDIS_URL,
+      REDIS_KEY_PREFIX: PREFIX,
+      LOG_LEVEL: 'warn',
+      LOG_REQUESTS: 'false',
+      RECONCILE_INTERVAL_MS: '0',
+      DB_POOL_SIZE: '16',
+    });
+    children.push(service);
+    const url = `http://127.0.0.1:${port}`;
+    await waitHttp(`${url}/health/live`);
+    const http = client(url, 1100);
+    const call = http.call;
+    const importValues = async (pool: string, n: number, prefix: string, extra: Record<string, unknown> = {}) => {
+      for (let i = 0; i < n; i += 10_000) {
+        const items = Array.from({ length: Math.min(10_000, n - i) }, (_, j) => ({
+          value: `${prefix}${String(i + j).padStart(8, '0')}`,
+          ...extra,
+        }));
+        const r = await call('POST', `/v1/pools/${pool}/resources`, { items });
+        if (r.status !== 201) throw new Error(`import ${pool}: ${r.status} ${JSON.stringify(r.body)}`);
+      }
+    };
+    const createPool = async (name: string, kind = 'number', n = 0) => {
+      await call('POST', '/v1/pools', { name, kind, holdTtlMs: 1000, maxHoldTtlMs: 600_000 });
+      if (n) await importValues(name, n, `${name}-`);
+    };
+
+    // The ceiling: a bare Fastify endpoint running respool's reserve script, on its own copy of the pool.
+    const ceilingPort = await freePort();
+    children.push(startProcess(['dist/bench/bench/ceiling.js', 'ceiling', String(ceilingPort), REDIS_URL, PREFIX]));
+    await waitHttp(`http://127.0.0.1:${ceilingPort}/`);
+    const ceilingBase = `${PREFIX}{ceiling}:`;
+    for (let i = 0; i < 100_000; i += 500) {
+      const batch = Array.from({ length: 500 }, (_, j) => JSON.stringify({ id: String(i + j + 1), v: `c${i + j}`, n: 0, g: null, a: {} }));
+      const multi = redis.multi();
+      for (const json of batch) {
+        const item = JSON.parse(json);
+        multi.hset(`${ceilingBase}item`, item.id, json).zadd(`${ceilingBase}free`, 0, `${item.v}\0${item.id}`);
+      }
+      await multi.exec();
+    }
+    const ceilingHttp = client(`http://127.0.0.1:${ceilingPort}`, CONNECTIONS);
+    say(`machine: ${os.cpus().length} × ${os.cpus()[0].model}, ${(os.totalmem() / 2 ** 30).toFixed(0)} GiB, Node ${process.version}`);
+
+    const ceiling = await repeat('ceiling (bare Fastify + reserve EVALSHA)', () =>
+      runLoad(CONNECTIONS, RUN_MS, async () => String((await ceilingHttp.call('POST', '/reserve', {})).status)),
+    );
+
+    // Reserve, count 3, on a 100,000-item pool (holds of 1 s, returned by the sweeper).
+    await createPool('reserve', 'number', 100_000);
+    let rssPeak = 0;
+    const rssTimer = setInterval(() => (rssPeak = Math.max(rssPeak, rssMb(service.pid!))), 200);
+    const reserve = await repeat('respool reserve(3)', () =>
+      runLoad(CONNECTIONS, RUN_MS, async () =>
+        String((await call('POST', '/v1/pools/reserve/reservations', { owner: 'bench', count: 3, ttlMs: 1000 })).status),
+      ),
+    );
+    clearInterval(rssTimer);
+    record(
+      'reserve (count 3), req/s',
+      reserve.rps.toFixed(0),
+      `ceiling ${ceiling.rps.toFixed(0)}`,
+      `${((reserve.rps / ceiling.rps) * 100).toFixed(0)} %`,
+      '≥ 50 % of ceiling',
+      reserve.rps >= ceiling.rps / 2,
+    );
+    record(
+      'reserve p50 / p99, ms',
+      `${reserve.p50.toFixed(2)} / ${reserve.p99.toFixed(2)}`,
+      `ceiling ${ceiling.p50.toFixed(2)} / ${ceiling.p99.toFixed(2)}`,
+      '',
+      'p99 ≤ 15 ms',
+      reserve.p99 <= 15,
+    );
+    chart.push({ label: 'ceiling: Fastify + EVALSHA', value: ceiling.rps }, { label: 'respool reserve(3)', value: reserve.rps });
+
+    // Confirm 1 of 3 (the rest released); each operation is reserve + confirm, so confirms/s = operations/s.
+    await createPool('confirm', 'number', 100_000);
+    const confirm = await repeat('respool reserve(3) + confirm(1)', () =>
+      runLoad(CONNECTIONS, RUN_MS, async () => {
+        const r = await call('POST', '/v1/pools/confirm/reservations', { owner: 'buyer', count: 3, ttlMs: 60_000 });
+        if (r.status !== 201) return `reserve ${r.status}`;
+        const c = await call('POST', `/v1/reservations/${r.body.id}/confirm`, { resourceIds: [r.body.items[0].resourceId] });
+        return String(c.status);
+      }),
+    );
+    // The classic design at the same concurrency: random free row + version-checked UPDATE, retry on conflict.
+    await createPool('classic', 'number', 100_000);
+    const sql = new pg.Client({ connectionString: DB_URL });
+    await sql.connect();
+    const ids = (
+      await sql.query(
+        `SELECT min(r.id)::text AS lo, max(r.id)::text AS hi, p.id::text AS pool FROM t_resource r JOIN t_pool p ON p.id = r.pool_id WHERE p.name = 'classic' GROUP BY p.id`,
+      )
+    ).rows[0];
+    const classicPort = await freePort();
+    children.push(startProcess(['dist/bench/bench/ceiling.js', 'classic', String(classicPort), DB_URL, ids.pool, ids.hi, ids.lo]));
+    await waitHttp(`http://127.0.0.1:${classicPort}/`);
+    const classicHttp = client(`http://127.0.0.1:${classicPort}`, CONNECTIONS);
+    const classic = await repeat('classic: random free row + version-checked UPDATE', () =>
+      runLoad(CONNECTIONS, RUN_MS, async () => String((await classicHttp.call('POST', '/allocate', {})).status)),
+    );
+    const confirmsPerSec = confirm.rps * ((confirm.byStatus['200'] ?? 0) / confirm.ops);
+    record(
+      'confirm (1 of 3, rest released), confirms/s',
+      confirmsPerSec.toFixed(0),
+      `classic ${classic.rps.toFixed(0)}`,
+      `${(confirmsPerSec / classic.rps).toFixed(2)}×`,
+      '≥ 5,000/s and ≥ 2× classic',
+      confirmsPerSec >= 5000 && confirmsPerSec >= 2 * classic.rps,
+    );
+    chart.push({ label: 'respool reserve+confirm', value: confirmsPerSec }, { label: 'classic random row + UPDATE', value: classic.rps });
+
+    // Pull-next-task + complete pairs/s against pg-boss send/fetch/complete, same concurrency.
+    await createPool('tasks', 'task', QUICK ? 30_000 : 120_000);
+    const tasks = await repeat('respool pull + complete', () =>
+      runLoad(CONNECTIONS, RUN_MS, async () => {
+        const lease = await call('POST', '/v1/pools/tasks/tasks/next', { reviewer: 'r' });
+        if (lease.status !== 200) return `pull ${lease.status}`;
+        return String((await call('POST', `/v1/tasks/${lease.body.leaseId}/complete`)).status);
+      }),
+    );
+    const boss = new PgBoss({ connectionString: DB_URL, schema: 'pgboss_bench', max: 16 });
+    boss.on('error', () => undefined);
+    await boss.start();
+    await boss.createQueue('review');
+    for (let i = 0; i < (QUICK ? 5_000 : 20_000); i += 1000)
+      await boss.insert(Array.from({ length: 1000 }, (_, j) => ({ name: 'review', data: { task: i + j } })));
+    const bossRun = await repeat('pg-boss fetch + complete', () =>
+      runLoad(CONNECTIONS, RUN_MS, async () => {
+        const [job] = await boss.fetch('review');
+        if (!job) return 'empty';
+        await boss.complete('review', job.id);
+        return 'ok';
+      }),
+    );
+    await boss.stop({ graceful: false });
+    const pairs = tasks.rps * ((tasks.byStatus['200'] ?? 0) / tasks.ops);
+    const bossPairs = bossRun.rps * ((bossRun.byStatus.ok ?? 0) / bossRun.ops);
+    record(
+      'pull-next + complete, pairs/s',
+      pairs.toFixed(0),
+      `pg-boss ${bossPairs.toFixed(0)}`,
+      `${(pairs / bossPairs).toFixed(1)}×`,
+      '≥ 10× pg-boss',
+      pairs >= 10 * bossPairs,
+    );
+    chart.push({ label: 'respool pull + complete', value: pairs }, { label: 'pg-boss fetch + complete', value: bossPairs });
+
+    // Contention: 1,000 clients over a 100-item pool.
+    await createPool('contended', 'number', 100);
+    const contention = await repeat('contention: 1,000 clients, 100 items', () =>
+      runLoad(1000, RUN_MS, async () =>
+        String((await call('POST', '/v1/pools/contended/reservations', { owner: 'c', count: 1, ttlMs: 1000 })).status),
+      ),
+    );
+    const wins = contention.rps * ((contention.byStatus['201'] ?? 0) / contention.ops);
+    record('contention (1,000 clients, 100 items): successful reserves/s', wins.toFixed(0), '', '', '', null);
+    record("contention: losers' 409 p99, ms", (contention.latency['409']?.p99 ?? 0).toFixed(2), '', '', 'answered at once', null);
+
+    // Growth: reserve latency with 1,000 / 100,000 / 1,000,000 items; import time; Redis bytes per free item.
+    const growth: { size: number; r: LoadResult }[] = [];
+    let importSeconds = 0;
+    let bytesPerItem = 0;
+    for (const size of QUICK ? [1000, 100_000] : [1000, 100_000, 1_000_000]) {
+      const name = `growth-${size}`;
+      await call('POST', '/v1/pools', { name, kind: 'number', holdTtlMs: 1000 });
+      await redis.call('MEMORY', 'PURGE').catch(() => undefined);
+      const before = Number(/used_memory:(\d+)/.exec(await redis.info('memory'))![1]);
+      const t0 = performance.now();
+      await importValues(name, size, '139');
+      const seconds = (performance.now() - t0) / 1000;
+      const after = Number(/used_memory:(\d+)/.exec(await redis.info('memory'))![1]);
+      if (size === 1_000_000 || (QUICK && size === 100_000)) {
+        importSeconds = seconds;
+        bytesPerItem = (after - before) / size;
+      }
+      say(`${name}: imported in ${seconds.toFixed(1)} s, Redis +${((after - before) / size).toFixed(0)} bytes/item`);
+      // Few enough reserves that the pool never runs dry: 1 s holds, 1 item each.
+      growth.push({
+        size,
+        r: await repeat(`reserve(1) on ${size} items`, () =>
+          runLoad(Math.min(CONNECTIONS, size / 20), RUN_MS, async () =>
+            String((await call('POST', `/v1/pools/${name}/reservations`, { owner: 'g', count: 1, ttlMs: 1000 })).status),
+          ),
+        ),
+      });
+    }
+    const small = growth[0].r;
+    for (const g of growth) {
+      const flat = g.r.p50 <= small.p50 * 1.1 + 0.05 && g.r.p99 <= small.p99 * 1.1 + 0.2;
+      record(
+        `reserve on ${g.size.toLocaleString('en')} items, p50 / p99 ms`,
+        `${g.r.p50.toFixed(2)} / ${g.r.p99.toFixed(2)}`,
+        g === growth[0] ? '' : `1,000 items ${small.p50.toFixed(2)} / ${small.p99.toFixed(2)}`,
+        '',
+        'flat within 10 %',
+        g === growth[0] ? null : flat,
+      );
+    }
+    record(`import of ${QUICK ? '100,000' : '1,000,000'} numbers, s`, importSeconds.toFixed(1), '', '', '≤ 60 s', importSeconds <= 60);
+    record('Redis memory per free item, bytes', bytesPerItem.toFixed(0), '', '', '≤ 200', bytesPerItem <= 200);
+    record('service RSS under reserve load (peak), MB', rssPeak.toFixed(0), '', '', '≤ 250', rssPeak <= 250);
+
+    await http.close();
+    await ceilingHttp.close();
+    await classicHttp.close();
+    await sql.end();
+    writeReport(rows, chart);
+  } finally {
+    for (const child of children) child.kill('SIGTERM');
+    await sleep(500);
+    let cursor = '0';
+    do {
+      const [next, keys] = await redis.scan(cursor, 'MATCH', `${PREFIX}*`, 'COUNT', 5000);
+      cursor = next;
+      if (keys.length) await redis.unlink(...keys);
+    } while (cursor !== '0');
+    redis.disconnect();
+    await admin.query(`DROP DATABASE IF EXISTS ${DB} WITH (FORCE)`);
+    await admin.end();
+  }
+}
+
+function writeReport(
+  rows: { name: string; value: string; baseline: string; ratio: string; target: string; met: string }[],
+  chart: { label: string; value: number }[],
+): void {
+  const table = [
+    '| measure | respool | baseline (same run) | ratio | target | met |',
+    '|---|---|---|---|---|---|',
+    ...rows.map((r) => `| ${r.name} | ${r.value} | ${r.baseline} | ${r.ratio} | ${r.target} | ${r.met} |`),
+  ].join('\n');
+  console.log(`\n${table}\n`);
+  const max = Math.max(...chart.map((c) => c.value));
+  const bar = 28;
+  const svg = [
+    `<svg xmlns="http://www.w3.org/2000/svg" width="760" height="${chart.length * bar + 50}" font-family="sans-serif" font-size="13">`,
+    `<text x="10" y="20" font-weight="bold">Operations per second, one run on this machine (${QUICK ? 'quick' : `median of ${REPEAT}`}, ${CONNECTIONS} connections)</text>`,
+    ...chart.map((c, i) => {
+      const y = 35 + i * bar;
+      const w = Math.max(1, (c.value / max) * 440);
+      const fill = c.label.startsWith('respool') ? '#2b6cb0' : '#a0aec0';
+      return `<text x="10" y="${y + 16}">${c.label}</text><rect x="230" y="${y + 3}" width="${w.toFixed(0)}" height="18" fill="${fill}"/><text x="${(235 + w).toFixed(0)}" y="${y + 16}">${c.value.toFixed(0)}</text>`;
+    }),
+    '</svg>',
+  ].join('\n');
+  writeFileSync('docs/benchmarks.svg', svg);
+  const cpu = os.cpus();
+  writeFileSync(
+    'docs/benchmarks.md',
+    `# Benchmarks
+
+Measured by \`npm run bench${QUICK ? ' -- --quick' : ''}\` on ${new Date().toISOString().slice(0, 10)}: one run, on one machine, with every
+baseline measured in the same run. Machine: ${cpu.length} × ${cpu[0].model}, ${(os.totalmem() / 2 ** 30).toFixed(0)} GiB, Node ${process.version},
+PostgreSQL and Redis on loopback; the load generator (undici, in the bench process), the service and
+the databases share the ${cpu.length} cores. Each figure is the median of ${REPEAT} runs of ${RUN_MS / 1000} s after a 1 s warm-up, at
+${CONNECTIONS} connections unless the row says otherwise. The machine is shared and noisy: read ratios, not absolutes.
+
+![throughput chart](benchmarks.svg)
+
+${table}
+
+What is measured:
+- **ceiling**: a bare Fastify endpoint (\`bench/ceiling.ts\`) running the same single EVALSHA as respool's reserve
+  (count 3), on its own 100,000-item pool;
+- **reserve**: \`POST /v1/pools/{pool}/reservations\` with count 3 and 1 s holds on a 100,000-item pool;
+- **confirm**: each operation reserves 3 and confirms 1 (the other two are released); the **classic** design
+  from DESIGN.md is a bare Fastify endpoint that picks a random free row and runs the version-checked UPDATE,
+  retrying on conflict, at the same concurrency;
+- **pull-next + complete** against **pg-boss** ${(JSON.parse(readFileSync('node_modules/pg-boss/package.json', 'utf8')) as { version: string }).version} \`fetch\` + \`complete\` (as a library, no HTTP) with the same
+  concurrency, on the same Postgres;
+- **contention**: 1,000 concurrent clients reserving 1 of a 100-item pool (1 s holds);
+- **growth**: reserve latency on pools of 1,000 / 100,000 / 1,000,000 items (concurrency capped at size/20 so the
+  pool never runs dry); import time of the largest through the API; Redis \`used_memory\` growth per imported item;
+  peak RSS of the service process during the reserve runs.
+`,
+  );
+}
+
+main().then(
+  () => process.exit(0),
+  (err: unknown) => {
+    console.error(err);
+    process.exit(1);
+  },
+);

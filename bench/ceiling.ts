@@ -1,0 +1,72 @@
+/**
+ * Baseline servers for the bench, each a bare Fastify process:
+ *   ceiling  POST /reserve: the single EVALSHA of respool's reserve script (count 3), nothing else
+ *            (plus respool's sweep script on a timer, so the pool keeps flowing as it does in respool);
+ *   classic  POST /allocate: DESIGN.md's classic design: pick a random free row, then the version-checked
+ *            UPDATE, retry on conflict.
+ * Usage: node ceiling.js <ceiling|classic> <port> <redisUrl|databaseUrl> <prefix|poolId> [maxId]
+ */
+import Fastify from 'fastify';
+import { Redis } from 'ioredis';
+import { randomUUID } from 'node:crypto';
+import { readFileSync } from 'node:fs';
+import pg from 'pg';
+
+const [mode, portArg, url, arg, maxIdArg] = process.argv.slice(2);
+const app = Fastify({ logger: false });
+
+if (mode === 'ceiling') {
+  const scripts = new URL('../../src/redis/scripts/', import.meta.url);
+  const lib = readFileSync(new URL('_lib.lua', scripts), 'utf8');
+  const redis = new Redis(url);
+  redis.defineCommand('rp_reserve', { numberOfKeys: 1, lua: `${lib}\n${readFileSync(new URL('reserve.lua', scripts), 'utf8')}` });
+  redis.defineCommand('rp_sweep', { numberOfKeys: 1, lua: `${lib}\n${readFileSync(new URL('sweep.lua', scripts), 'utf8')}` });
+  const base = `${arg}{ceiling}:`;
+  const call = redis as unknown as Record<string, (...args: unknown[]) => Promise<string[]>>;
+  setInterval(() => void call.rp_sweep(`${base}free`, base, 500, 60_000, 15_000).catch(() => undefined), 250).unref();
+  app.post('/reserve', async (_req, reply) => {
+    const r = await call.rp_reserve(
+      `${base}free`,
+      base,
+      `ceiling.${randomUUID()}`,
+      'bench',
+      3,
+      1000,
+      0,
+      'r',
+      60_000,
+      '',
+      '',
+      0,
+      '',
+      '',
+      '0',
+    );
+    if (r[0] !== 'ok') return reply.status(409).send({ error: { code: 'POOL_EXHAUSTED' } });
+    return reply.status(201).send({ id: r[1], items: JSON.parse(r[7]), expiresAt: new Date(Number(r[6])).toISOString() });
+  });
+} else {
+  const db = new pg.Pool({ connectionString: url, max: 16 });
+  const poolId = arg;
+  const maxId = Number(maxIdArg);
+  const minId = Number(process.argv[7] ?? 1);
+  app.post('/allocate', async (_req, reply) => {
+    for (let attempt = 0; attempt < 50; attempt++) {
+      const pick = await db.query(`SELECT id, version FROM t_resource WHERE pool_id = $1 AND state = 1 AND id >= $2 ORDER BY id LIMIT 1`, [
+        poolId,
+        minId + Math.floor(Math.random() * (maxId - minId + 1)),
+      ]);
+      if (pick.rowCount === 0) continue;
+      const { id, version } = pick.rows[0];
+      const won = await db.query(
+        `UPDATE t_resource SET state = 2, version = version + 1, owner = 'classic', update_time = now() WHERE id = $1 AND state = 1 AND version = $2`,
+        [id, version],
+      );
+      if (won.rowCount === 1) return reply.status(200).send({ id: String(id), version: version + 1 });
+    }
+    return reply.status(409).send({ error: { code: 'POOL_EXHAUSTED' } });
+  });
+}
+
+await app.listen({ port: Number(portArg), host: '127.0.0.1' });
+console.log('ready');

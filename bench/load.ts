@@ -1,0 +1,91 @@
+import { Pool } from 'undici';
+
+export interface LoadResult {
+  /** Completed operations per second (an operation may be several requests, see `op`). */
+  rps: number;
+  ops: number;
+  durationMs: number;
+  byStatus: Record<string, number>;
+  /** Latency percentiles (ms) over all operations and by outcome. */
+  p50: number;
+  p99: number;
+  latency: Record<string, { p50: number; p99: number }>;
+}
+
+export type Call = (method: string, path: string, body?: unknown) => Promise<{ status: number; body: any }>;
+
+function percentile(sorted: number[], p: number): number {
+  if (sorted.length === 0) return 0;
+  return sorted[Math.min(sorted.length - 1, Math.floor((p / 100) * sorted.length))];
+}
+
+export function client(url: string, connections: number): { call: Call; close: () => Promise<void> } {
+  const pool = new Pool(url, { connections, pipelining: 1, keepAliveTimeout: 30_000 });
+  const call: Call = async (method, path, body) => {
+    const res = await pool.request({
+      method: method as 'GET',
+      path,
+      headers: body === undefined ? {} : { 'content-type': 'application/json' },
+      body: body === undefined ? undefined : JSON.stringify(body),
+    });
+    const text = await res.body.text();
+    return { status: res.statusCode, body: text ? JSON.parse(text) : undefined };
+  };
+  return { call, close: () => pool.close() };
+}
+
+/**
+ * Runs `op` from `concurrency` loops for `durationMs` after `warmupMs`. `op` returns the outcome label
+ * it wants latency recorded under (e.g. the status code).
+ */
+export async function runLoad(concurrency: number, durationMs: number, op: () => Promise<string>, warmupMs = 1000): Promise<LoadResult> {
+  const samples: { label: string; ms: number }[] = [];
+  let measuring = false;
+  let stop = false;
+  const loops = Array.from({ length: concurrency }, async () => {
+    while (!stop) {
+      const t0 = performance.now();
+      let label: string;
+      try {
+        label = await op();
+      } catch (err) {
+        label = `error:${(err as Error).message.slice(0, 40)}`;
+      }
+      if (measuring && !stop) samples.push({ label, ms: performance.now() - t0 });
+    }
+  });
+  await new Promise((r) => setTimeout(r, warmupMs));
+  measuring = true;
+  const started = performance.now();
+  await new Promise((r) => setTimeout(r, durationMs));
+  stop = true;
+  const elapsed = performance.now() - started;
+  await Promise.all(loops);
+  const all = samples.map((s) => s.ms).sort((a, b) => a - b);
+  const byStatus: Record<string, number> = {};
+  const grouped: Record<string, number[]> = {};
+  for (const s of samples) {
+    byStatus[s.label] = (byStatus[s.label] ?? 0) + 1;
+    (grouped[s.label] ??= []).push(s.ms);
+  }
+  const latency: LoadResult['latency'] = {};
+  for (const [label, list] of Object.entries(grouped)) {
+    list.sort((a, b) => a - b);
+    latency[label] = { p50: percentile(list, 50), p99: percentile(list, 99) };
+  }
+  return {
+    rps: (samples.length / elapsed) * 1000,
+    ops: samples.length,
+    durationMs: elapsed,
+    byStatus,
+    p50: percentile(all, 50),
+    p99: percentile(all, 99),
+    latency,
+  };
+}
+
+/** The median run of several, by throughput. */
+export function median(results: LoadResult[]): LoadResult {
+  const sorted = [...results].sort((a, b) => a.rps - b.rps);
+  return sorted[Math.floor(sorted.length / 2)];
+}
