@@ -106,6 +106,7 @@ async function main(): Promise<void> {
     children.push(startProcess(['dist/bench/bench/ceiling.js', 'ceiling', String(ceilingPort), REDIS_URL, PREFIX]));
     await waitHttp(`http://127.0.0.1:${ceilingPort}/`);
     const ceilingBase = `${PREFIX}{ceiling}:`;
+    await redis.set(`${ceilingBase}gen`, '0'); // reserve needs the pool's Redis generation
     for (let i = 0; i < 100_000; i += 500) {
       const batch = Array.from({ length: 500 }, (_, j) => JSON.stringify({ id: String(i + j + 1), v: `c${i + j}`, n: 0, g: null, a: {} }));
       const multi = redis.multi();

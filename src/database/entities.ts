@@ -30,7 +30,7 @@ export class PoolEntity {
 
 @Entity({ name: 't_resource' })
 @Index('t_resource_pool_value_key', ['poolId', 'value'], { unique: true })
-@Index('t_resource_pool_state_idx', ['poolId', 'state'])
+@Index('t_resource_pool_state_id_idx', ['poolId', 'state', 'id'])
 export class ResourceEntity {
   @PrimaryGeneratedColumn({ type: 'bigint' })
   id: string;

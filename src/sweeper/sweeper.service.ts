@@ -9,6 +9,7 @@ import { CommitService } from '../reservations/commit.service.js';
 import { RebuildService } from './rebuild.service.js';
 
 const SWEEP_BATCH = 500;
+const MAX_BATCHES_PER_TICK = 40;
 const POOL_LIST_REFRESH_MS = 2000;
 const WIPE_CHECK_MIN_GAP_MS = 500;
 
@@ -71,12 +72,16 @@ export class SweeperService implements OnApplicationBootstrap, OnModuleDestroy {
     const stalled: { pool: PoolEntity; rid: string }[] = [];
     for (const pool of this.catalog.known()) {
       try {
-        const swept = await this.holds.sweep(pool.name, SWEEP_BATCH, this.config.COMMIT_WINDOW_MS);
-        if (swept.expiredReservations > 0) {
-          this.metrics.expiredHolds.inc({ pool: pool.name }, swept.expiredReservations);
-          this.logger.debug(`${pool.name}: ${swept.expiredReservations} expired holds, ${swept.freedItems} items freed`);
+        // Batches until the pool has nothing due (bounded), so expiry keeps up with any reserve rate.
+        for (let batch = 0; batch < MAX_BATCHES_PER_TICK; batch++) {
+          const swept = await this.holds.sweep(pool.name, SWEEP_BATCH, this.config.COMMIT_WINDOW_MS);
+          if (swept.expiredReservations > 0) {
+            this.metrics.expiredHolds.inc({ pool: pool.name }, swept.expiredReservations);
+            this.logger.debug(`${pool.name}: ${swept.expiredReservations} expired holds, ${swept.freedItems} items freed`);
+          }
+          for (const rid of swept.stalled) stalled.push({ pool, rid });
+          if (swept.expiredReservations + swept.stalled.length < SWEEP_BATCH) break;
         }
-        for (const rid of swept.stalled) stalled.push({ pool, rid });
       } catch (err) {
         this.warn(`sweep of ${pool.name}`, err);
       }
