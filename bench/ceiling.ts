@@ -23,7 +23,14 @@ if (mode === 'ceiling') {
   redis.defineCommand('rp_sweep', { numberOfKeys: 1, lua: `${lib}\n${readFileSync(new URL('sweep.lua', scripts), 'utf8')}` });
   const base = `${arg}{ceiling}:`;
   const call = redis as unknown as Record<string, (...args: unknown[]) => Promise<string[]>>;
-  setInterval(() => void call.rp_sweep(`${base}free`, base, 500, 60_000, 15_000).catch(() => undefined), 250).unref();
+  // respool's sweeper, as respool runs it: batches of 500 until nothing is due, every 250 ms.
+  const sweep = async () => {
+    for (let i = 0; i < 40; i++) {
+      const swept = (await call.rp_sweep(`${base}free`, base, 500, 60_000, 15_000)) as unknown as number[];
+      if (Number(swept[0]) < 500) break;
+    }
+  };
+  setInterval(() => void sweep().catch(() => undefined), 250).unref();
   app.post('/reserve', async (_req, reply) => {
     const r = await call.rp_reserve(
       `${base}free`,
