@@ -10,10 +10,10 @@ import { Redis } from 'ioredis';
 import { mkdtempSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
-import { OwnRedis, freePort } from '../support/services.js';
+import { OwnRedis, TcpProxy, freePort } from '../support/services.js';
 import { FaultWindow, HoldSampler, check } from './checker.js';
 import { Traffic, buyer, reviewer } from './clients.js';
-import { ChaosPostgres, ChaosProxy, Instance } from './cluster.js';
+import { ChaosPostgres, Instance } from './cluster.js';
 
 const FULL = process.argv.includes('--full');
 const PHASE_MS = FULL ? 20_000 : 6_000; // load before, between and after faults
@@ -59,7 +59,7 @@ async function main(): Promise<number> {
   say(`${FULL ? 'full' : 'short'} run; logs in ${workDir}`);
   const pg = await ChaosPostgres.create();
   const redis = await OwnRedis.start();
-  const proxy = await ChaosProxy.start(redis.port);
+  const proxy = await TcpProxy.start(redis.port);
   const env = {
     DATABASE_URL: pg.url,
     REDIS_URL: `redis://127.0.0.1:${proxy.port}`,

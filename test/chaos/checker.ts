@@ -1,5 +1,6 @@
 import type { Redis } from 'ioredis';
 import pg from 'pg';
+import { holdSnapshot } from '../support/hold-snapshot.js';
 import { Exchange } from './clients.js';
 
 export interface FaultWindow {
@@ -14,21 +15,6 @@ export interface FaultWindow {
 
 const GRACE_MS = 3000;
 
-// An atomic snapshot of a pool's live holds (the script runs alone in Redis).
-const SNAPSHOT = `
-local base = ARGV[1]
-local held = {}
-for _, key in ipairs(redis.call('KEYS', base .. 'r:*')) do
-  local state = redis.call('HGET', key, 's')
-  if state == 'held' or state == 'confirming' then
-    local rid = string.sub(key, #base + 3)
-    for _, item in ipairs(cjson.decode(redis.call('HGET', key, 'i'))) do
-      if redis.call('GET', base .. 'h:' .. item.id) == rid then held[#held + 1] = item.id .. ' ' .. rid end
-    end
-  end
-end
-return { held, redis.call('ZRANGE', base .. 'free', 0, -1) }`;
-
 /** Samples Redis during the run: an item in two live holds, or free while held, is a violation. */
 export class HoldSampler {
   samples = 0;
@@ -42,23 +28,18 @@ export class HoldSampler {
 
   async sample(): Promise<void> {
     for (const base of this.bases) {
-      let reply: [string[], string[]];
+      let snapshot: Awaited<ReturnType<typeof holdSnapshot>>;
       try {
-        reply = (await this.redis.eval(SNAPSHOT, 0, base)) as [string[], string[]];
+        snapshot = await holdSnapshot(this.redis, base);
       } catch {
         return; // Redis is down or slow right now: nothing to sample
       }
       this.samples++;
-      const holders = new Map<string, string[]>();
-      for (const entry of reply[0]) {
-        const [id, rid] = entry.split(' ');
-        holders.set(id, [...(holders.get(id) ?? []), rid]);
-      }
+      const { holders } = snapshot;
       if (holders.size > 0) this.samplesWithHolds++;
       for (const [id, rids] of holders)
         if (rids.length > 1) this.violations.push(`item ${id} in ${rids.length} live holds: ${rids.join(', ')}`);
-      for (const member of reply[1]) {
-        const id = member.slice(member.lastIndexOf('\0') + 1);
+      for (const id of snapshot.free) {
         if (holders.has(id)) this.violations.push(`item ${id} free while held by ${holders.get(id)!.join(', ')}`);
       }
     }

@@ -1,6 +1,5 @@
 import { ChildProcess, execFileSync, spawn } from 'node:child_process';
 import { chownSync, mkdtempSync, rmSync } from 'node:fs';
-import net from 'node:net';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { freePort } from '../support/services.js';
@@ -62,67 +61,6 @@ export class ChaosPostgres {
       /* already down */
     }
     rmSync(this.dir, { recursive: true, force: true });
-  }
-}
-
-/**
- * A TCP proxy between the instances and Redis that can add latency to every chunk, in order, and
- * drop every connection (refusing new ones) for a while.
- */
-export class ChaosProxy {
-  private server: net.Server | undefined;
-  private readonly sockets = new Set<net.Socket>();
-  latencyMs = 0;
-
-  private constructor(
-    readonly port: number,
-    private readonly targetPort: number,
-  ) {}
-
-  static async start(targetPort: number): Promise<ChaosProxy> {
-    const proxy = new ChaosProxy(await freePort(), targetPort);
-    await proxy.open();
-    return proxy;
-  }
-
-  private relay(from: net.Socket, to: net.Socket): void {
-    let chain = Promise.resolve();
-    from.on('data', (chunk) => {
-      const delay = this.latencyMs;
-      if (delay === 0) {
-        to.write(chunk);
-        return;
-      }
-      from.pause();
-      chain = chain.then(async () => {
-        await sleep(delay);
-        if (!to.destroyed) to.write(chunk);
-        from.resume();
-      });
-    });
-  }
-
-  async open(): Promise<void> {
-    this.server = net.createServer((client) => {
-      const upstream = net.connect(this.targetPort, '127.0.0.1');
-      for (const s of [client, upstream]) {
-        this.sockets.add(s);
-        s.on('close', () => this.sockets.delete(s));
-        s.on('error', () => s.destroy());
-      }
-      this.relay(client, upstream);
-      this.relay(upstream, client);
-      client.on('close', () => upstream.destroy());
-      upstream.on('close', () => client.destroy());
-    });
-    await new Promise<void>((resolve) => this.server!.listen(this.port, '127.0.0.1', resolve));
-  }
-
-  async cut(): Promise<void> {
-    const server = this.server;
-    this.server = undefined;
-    for (const s of this.sockets) s.destroy();
-    if (server) await new Promise<void>((resolve) => server.close(() => resolve()));
   }
 }
 

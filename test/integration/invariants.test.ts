@@ -4,34 +4,11 @@ import { PoolRepository } from '../../src/database/pool.repository.js';
 import { ResourceRepository } from '../../src/database/resource.repository.js';
 import { HoldStore } from '../../src/redis/hold-store.repository.js';
 import { REDIS } from '../../src/redis/redis.client.js';
+import { holdSnapshot } from '../support/hold-snapshot.js';
 import { TestInstance, TestWorld, eventually, numbers, seedPool, sleep } from '../support/harness.js';
 
-// One atomic snapshot of a pool's holds (a script runs alone in Redis): for every reservation that
-// is held or committing, the items whose hold key names it; and the free index.
-const SNAPSHOT = `
-local base = ARGV[1]
-local held = {}
-for _, key in ipairs(redis.call('KEYS', base .. 'r:*')) do
-  local state = redis.call('HGET', key, 's')
-  if state == 'held' or state == 'confirming' then
-    local rid = string.sub(key, #base + 3)
-    for _, item in ipairs(cjson.decode(redis.call('HGET', key, 'i'))) do
-      if redis.call('GET', base .. 'h:' .. item.id) == rid then held[#held + 1] = item.id .. ' ' .. rid end
-    end
-  end
-end
-return { held, redis.call('ZRANGE', base .. 'free', 0, -1) }`;
-
 /** Every live hold in Redis: item id -> reservation ids holding it; and the ids in the free index. */
-async function liveHolds(redis: Redis, prefix: string, pool: string) {
-  const [held, free] = (await redis.eval(SNAPSHOT, 0, `${prefix}{${pool}}:`)) as [string[], string[]];
-  const holders = new Map<string, string[]>();
-  for (const entry of held) {
-    const [id, rid] = entry.split(' ');
-    holders.set(id, [...(holders.get(id) ?? []), rid]);
-  }
-  return { holders, free: free.map((m) => m.slice(m.lastIndexOf('\0') + 1)) };
-}
+const liveHolds = (redis: Redis, prefix: string, pool: string) => holdSnapshot(redis, `${prefix}{${pool}}:`);
 
 describe('invariants 1-4 checked against the stores', () => {
   const world = new TestWorld('invariants');

@@ -100,10 +100,14 @@ export class OwnRedis {
   }
 }
 
-/** A TCP proxy in front of a real server that a test can cut (every connection dropped, new ones refused) and restore. */
+/**
+ * A TCP proxy in front of a real server that a test can slow down (latency added to every chunk, in
+ * order) or cut (every connection dropped, new ones refused) and restore.
+ */
 export class TcpProxy {
   private server: net.Server | undefined;
   private readonly sockets = new Set<net.Socket>();
+  latencyMs = 0;
 
   private constructor(
     readonly port: number,
@@ -116,6 +120,23 @@ export class TcpProxy {
     return proxy;
   }
 
+  private relay(from: net.Socket, to: net.Socket): void {
+    let chain = Promise.resolve();
+    from.on('data', (chunk) => {
+      const delay = this.latencyMs;
+      if (delay === 0) {
+        to.write(chunk);
+        return;
+      }
+      from.pause();
+      chain = chain.then(async () => {
+        await new Promise((r) => setTimeout(r, delay));
+        if (!to.destroyed) to.write(chunk);
+        from.resume();
+      });
+    });
+  }
+
   async open(): Promise<void> {
     this.server = net.createServer((client) => {
       const upstream = net.connect(this.targetPort, '127.0.0.1');
@@ -124,7 +145,8 @@ export class TcpProxy {
         s.on('close', () => this.sockets.delete(s));
         s.on('error', () => s.destroy());
       }
-      client.pipe(upstream).pipe(client);
+      this.relay(client, upstream);
+      this.relay(upstream, client);
       client.on('close', () => upstream.destroy());
       upstream.on('close', () => client.destroy());
     });
