@@ -39,6 +39,9 @@ export class RebuildService {
     if (!(await this.mutex.tryAcquire(JOB, this.instanceId, LEASE_MS))) return null;
     const started = Date.now();
     try {
+      // Seen wiped before the job was ours: another instance may have rebuilt since. Bumping the
+      // generation again would fence the holds taken on its rebuild.
+      if (reason === 'wiped' && (await this.holds.markerPresent())) return 0;
       let added = 0;
       // The marker is written first with a token of this run: if Redis is wiped while we rebuild, the
       // token is gone at the end and the rebuild starts over.

@@ -27,6 +27,13 @@ describe('rebuild of Redis from Postgres, one instance at a time', () => {
     expect(row).toEqual({ holder: 'instance-c', version: 5 });
   });
 
+  it('an instance that saw Redis wiped does not rebuild (nor fence holds) again once another instance has rebuilt', async () => {
+    const before = await world.query(`SELECT gen::int AS gen FROM t_redis_generation`);
+    // The marker is present: somebody already rebuilt after the wipe this instance noticed.
+    expect(await b.app.get(RebuildService).rebuild('wiped')).toBe(0);
+    expect(await world.query(`SELECT gen::int AS gen FROM t_redis_generation`)).toEqual(before);
+  });
+
   it('concurrent attempts elect exactly one instance', async () => {
     const attempts = await Promise.all(
       Array.from({ length: 10 }, (_, i) => (i % 2 ? a : b).app.get(JobMutexRepository).tryAcquire('race', `i-${i}`, 60_000)),
