@@ -289,7 +289,7 @@ export class HoldStore implements OnApplicationShutdown {
 
   /** Writes the pool's Redis generation (the rebuild), or only if it has none yet (`ifMissing`, a new pool). */
   async setGeneration(pool: string, generation: number, ifMissing = false): Promise<void> {
-    const key = `${poolKeys(this.prefix, pool).base}gen`;
+    const key = poolKeys(this.prefix, pool).generation;
     await this.command(() => (ifMissing ? this.redis.set(key, generation, 'NX') : this.redis.set(key, generation)));
   }
 

@@ -13,6 +13,7 @@ export const poolKeys = (prefix: string, pool: string) => {
     free: `${base}free`,
     items: `${base}item`,
     expiries: `${base}exp`,
+    generation: `${base}gen`,
     hold: (resourceId: string) => `${base}h:${resourceId}`,
     reservation: (reservationId: string) => `${base}r:${reservationId}`,
   };

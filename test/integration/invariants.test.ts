@@ -5,7 +5,7 @@ import { ResourceRepository } from '../../src/database/resource.repository.js';
 import { HoldStore } from '../../src/redis/hold-store.repository.js';
 import { REDIS } from '../../src/redis/redis.client.js';
 import { holdSnapshot } from '../support/hold-snapshot.js';
-import { TestInstance, TestWorld, eventually, numbers, seedPool, sleep } from '../support/harness.js';
+import { TestInstance, TestWorld, eventually, numbers, seedPool, sleep, stalledConfirm } from '../support/harness.js';
 
 /** Every live hold in Redis: item id -> reservation ids holding it; and the ids in the free index. */
 const liveHolds = (redis: Redis, prefix: string, pool: string) => holdSnapshot(redis, `${prefix}{${pool}}:`);
@@ -102,24 +102,14 @@ describe('invariants 1-4 checked against the stores', () => {
     await seedPool(a, 'too-slow', numbers(1));
     const r = await a.post('/v1/pools/too-slow/reservations', { owner: 'slow', count: 1, ttlMs: 1000 });
     const id = r.body.items[0].resourceId;
-    const pinned = await a.app.get(HoldStore).pin('too-slow', r.body.id, [id], 1000);
-    if (pinned.status !== 'pinned') throw new Error(`pin: ${pinned.status}`);
+    const slow = await stalledConfirm(a, 'too-slow', r.body.id, id, 1000);
     // The sweeper gives the epoch up and the item returns; a rival takes and confirms it.
     const { value: rival } = await eventually(async () => {
       const t = await b.post('/v1/pools/too-slow/reservations', { owner: 'rival', count: 1 });
       return t.status === 201 ? t : null;
     }, 5000);
     // Now the slow commit reaches Postgres, still with a valid version: the decision row refuses it.
-    const pool = await a.app.get(PoolRepository).findByName('too-slow');
-    const late = await a.app.get(ResourceRepository).allocate({
-      poolId: pool!.id,
-      owner: 'slow',
-      reservationId: r.body.id,
-      epoch: pinned.reservation.epoch,
-      generation: pinned.reservation.generation,
-      items: [{ id, version: 0 }],
-      body: {},
-    });
+    const late = await slow.land();
     expect(late).toBe('decided');
     const won = await b.post(`/v1/reservations/${rival.body.id}/confirm`, { resourceIds: [id] });
     expect(won.status).toBe(200);

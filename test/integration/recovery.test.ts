@@ -1,9 +1,6 @@
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { createApp } from '../../src/app.factory.js';
-import { PoolRepository } from '../../src/database/pool.repository.js';
-import { ResourceRepository } from '../../src/database/resource.repository.js';
-import { HoldStore } from '../../src/redis/hold-store.repository.js';
-import { TestInstance, TestWorld, eventually, numbers, seedPool, sleep } from '../support/harness.js';
+import { TestInstance, TestWorld, eventually, numbers, seedPool, sleep, stalledConfirm } from '../support/harness.js';
 import { OwnRedis, TcpProxy } from '../support/services.js';
 
 // Invariants 4, 5 and 6 under lost dependencies. This file runs its own redis-server, so it may
@@ -87,8 +84,7 @@ describe('recovery: Redis wiped or down, Postgres down, an instance gone', () =>
     const r = await api.post('/v1/pools/wiped-mid-commit/reservations', { owner: 'slow', count: 1 });
     const id = r.body.items[0].resourceId;
     // The confirm pins its hold, then stalls before Postgres; meanwhile Redis is wiped and rebuilt.
-    const pinned = await api.app.get(HoldStore).pin('wiped-mid-commit', r.body.id, [id], 15_000);
-    if (pinned.status !== 'pinned') throw new Error(`pin: ${pinned.status}`);
+    const slow = await stalledConfirm(api, 'wiped-mid-commit', r.body.id, id, 15_000);
     const client = redis.client();
     await client.flushall();
     client.disconnect();
@@ -97,16 +93,7 @@ describe('recovery: Redis wiped or down, Postgres down, an instance gone', () =>
       return t.status === 201 ? t : null;
     }, 5000);
     // The stalled commit arrives with a valid version, but from the old Redis generation: refused.
-    const pool = await api.app.get(PoolRepository).findByName('wiped-mid-commit');
-    const late = await api.app.get(ResourceRepository).allocate({
-      poolId: pool!.id,
-      owner: 'slow',
-      reservationId: r.body.id,
-      epoch: pinned.reservation.epoch,
-      generation: pinned.reservation.generation,
-      items: [{ id, version: 0 }],
-      body: {},
-    });
+    const late = await slow.land();
     expect(late).toBe('conflict');
     const won = await api.post(`/v1/reservations/${rival.body.id}/confirm`, { resourceIds: [id] });
     expect(won.status).toBe(200);

@@ -2,6 +2,9 @@ import type { NestFastifyApplication } from '@nestjs/platform-fastify';
 import { randomBytes } from 'node:crypto';
 import pg from 'pg';
 import { createApp } from '../../src/app.factory.js';
+import { PoolRepository } from '../../src/database/pool.repository.js';
+import { AllocationResult, ResourceRepository } from '../../src/database/resource.repository.js';
+import { HoldStore } from '../../src/redis/hold-store.repository.js';
 import { AppConfig, loadConfig } from '../../src/config/app-config.js';
 import { REDIS_URL, databaseUrl, deleteKeys, dropDatabase } from './services.js';
 
@@ -130,3 +133,26 @@ export async function seedPool(
 }
 
 export const numbers = (n: number, prefix = '1380000') => Array.from({ length: n }, (_, i) => `${prefix}${String(i).padStart(4, '0')}`);
+
+/**
+ * A confirm that pins its hold on `resourceId` (commit window `windowMs`) and then stalls before Postgres,
+ * like a paused or slow instance. `land()` sends its commit late, with the version the hold was taken at.
+ */
+export async function stalledConfirm(api: TestInstance, pool: string, reservationId: string, resourceId: string, windowMs: number) {
+  const pinned = await api.app.get(HoldStore).pin(pool, reservationId, [resourceId], windowMs);
+  if (pinned.status !== 'pinned') throw new Error(`pin: ${pinned.status}`);
+  const land = async (): Promise<AllocationResult> => {
+    const entity = await api.app.get(PoolRepository).findByName(pool);
+    const item = pinned.reservation.items.find((i) => i.id === resourceId)!;
+    return api.app.get(ResourceRepository).allocate({
+      poolId: entity!.id,
+      owner: pinned.reservation.owner,
+      reservationId,
+      epoch: pinned.reservation.epoch,
+      generation: pinned.reservation.generation,
+      items: [{ id: resourceId, version: item.n }],
+      body: {},
+    });
+  };
+  return { pinned, land };
+}
