@@ -7,8 +7,9 @@
 // Postgres SQLSTATEs that mean "the server is not there for you right now":
 // class 08 connection exception, 57P01-57P03 shutdown / cannot connect now, 53300 too many connections,
 // 57014 statement timeout (we bounded it and it did not finish), 55P03 lock not available,
-// 25P03 / 57P05 the server ended an idle (in-transaction) session: this process stalled mid-transaction.
-const PG_OUTAGE_STATE = /^(08[0-9A-Z]{3}|57P0[1-5]|53300|57014|55P03|25P03)$/;
+// 25P03 / 57P05 the server ended an idle (in-transaction) session: this process stalled mid-transaction,
+// 40P01 / 40001 deadlock or serialization failure: the transaction was rolled back, a retry may pass.
+const PG_OUTAGE_STATE = /^(08[0-9A-Z]{3}|57P0[1-5]|53300|57014|55P03|25P03|40P01|40001)$/;
 const SQLSTATE = /^[0-9A-Z]{5}$/;
 
 /** A Postgres error is an outage unless the server answered with a SQLSTATE that blames the statement. */

@@ -3,10 +3,17 @@ import { Init1763700000000 } from '../../migrations/1763700000000-Init.js';
 import { CommitDecision1763800000000 } from '../../migrations/1763800000000-CommitDecision.js';
 import { RedisGeneration1763900000000 } from '../../migrations/1763900000000-RedisGeneration.js';
 import { FreeRowsById1764000000000 } from '../../migrations/1764000000000-FreeRowsById.js';
+import { AllocateFunction1764100000000 } from '../../migrations/1764100000000-AllocateFunction.js';
 import { AppConfig } from '../config/app-config.js';
 import { ENTITIES } from './entities.js';
 
-export const MIGRATIONS = [Init1763700000000, CommitDecision1763800000000, RedisGeneration1763900000000, FreeRowsById1764000000000];
+export const MIGRATIONS = [
+  Init1763700000000,
+  CommitDecision1763800000000,
+  RedisGeneration1763900000000,
+  FreeRowsById1764000000000,
+  AllocateFunction1764100000000,
+];
 
 export function dataSourceOptions(config: AppConfig): DataSourceOptions {
   return {

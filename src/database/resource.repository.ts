@@ -1,5 +1,9 @@
 import { Injectable } from '@nestjs/common';
+import type { Pool as PgPool } from 'pg';
 import { DataSource } from 'typeorm';
+import type { PostgresDriver } from 'typeorm/driver/postgres/PostgresDriver.js';
+import { AppConfig } from '../config/app-config.js';
+import { Batcher } from './batcher.js';
 import { GENERATION_LOCK } from './generation.repository.js';
 import { pg, sqlState } from './postgres.js';
 
@@ -43,9 +47,22 @@ export type AllocationResult = 'committed' | 'conflict' | 'duplicate' | 'decided
 
 const ROW = `id::text AS id, value, state, version, owner, group_key AS "groupKey", attributes, update_time AS "updatedAt"`;
 
+/** Commits in one batch at most: each is a subtransaction, and Postgres caches 64 per transaction. */
+const MAX_COMMITS_PER_BATCH = 32;
+
 @Injectable()
 export class ResourceRepository {
-  constructor(private readonly db: DataSource) {}
+  private readonly commits: Batcher<Allocation, AllocationResult>;
+
+  constructor(
+    private readonly db: DataSource,
+    config: AppConfig,
+  ) {
+    // Half the pool for commit batches, so reads and the sweeper always find a connection.
+    const batches = Math.max(1, Math.floor(config.DB_POOL_SIZE / 2));
+    // A commit that cannot even start within the statement timeout answers 503, like one that timed out.
+    this.commits = new Batcher((batch) => this.allocateBatch(batch), batches, MAX_COMMITS_PER_BATCH, config.DB_TIMEOUT_MS);
+  }
 
   /** Bulk insert; values already in the pool are skipped. Returns the rows inserted. */
   insertMany(poolId: string, items: NewResource[]): Promise<ResourceRow[]> {
@@ -71,84 +88,81 @@ export class ResourceRepository {
 
   /**
    * The commit of DESIGN.md: one transaction with the version-checked
-   * `UPDATE ... WHERE id = ? AND state = 1 AND version = ?` for every item, a history row for each, and
-   * the commit record. All or nothing.
+   * `UPDATE ... WHERE id = ? AND state = 1 AND version = ?` for every item, a history row for each, the
+   * epoch's decision and the commit record. All or nothing for this reservation. Commits that arrive
+   * together share one call of the `respool_allocate` function (migration AllocateFunction): one round
+   * trip and one transaction for the batch, each commit in its own subtransaction.
    */
-  async allocate(a: Allocation): Promise<AllocationResult> {
-    return pg(async () => {
-      try {
-        return await this.db.transaction(async (tx) => {
-          // Shared with every other commit; a bump of the Redis generation waits for it (and we for a bump).
-          // Its own statement, so that the next one reads the generation with a snapshot taken after it.
-          await tx.query(`SELECT pg_advisory_xact_lock_shared($1)`, [GENERATION_LOCK]);
-          let updated: { id: string }[];
-          try {
-            // One statement: the generation check, the epoch's decision, the version-checked UPDATE, a
-            // history row per item.
-            updated = await tx.query(
-              `WITH gen AS (
-                 SELECT 1 FROM t_redis_generation WHERE gen = $7
-               ), decided AS (
-                 INSERT INTO t_commit_decision (reservation_id, epoch, decision) SELECT $5, $6, 'commit' FROM gen
-               ), chosen AS (
-                 SELECT * FROM unnest($2::bigint[], $3::int[]) AS c(id, version)
-               ), upd AS (
-                 -- "r.id = ANY" lets the planner go through the primary key for the few rows chosen,
-                 -- instead of through every free row of the pool.
-                 UPDATE t_resource r
-                    SET state = 2, version = r.version + 1, owner = $4, update_time = now()
-                   FROM chosen c, gen
-                  WHERE r.id = ANY($2::bigint[]) AND r.id = c.id AND r.pool_id = $1 AND r.state = 1 AND r.version = c.version
-                 RETURNING r.id, r.version
-               ), hist AS (
-                 INSERT INTO t_allocation_history (resource_id, pool_id, action, owner, reservation_id, version)
-                 SELECT id, $1, 'allocate', $4, $5, version FROM upd
-               )
-               SELECT id::text AS id FROM upd`,
-              [a.poolId, a.items.map((i) => i.id), a.items.map((i) => i.version), a.owner, a.reservationId, a.epoch, a.generation],
-            );
-          } catch (err) {
-            // The epoch was already ended: by a concurrent confirm of this reservation, or by the sweeper.
-            if (sqlState(err) === '23505') throw new AllocationAborted('decided');
-            throw err;
-          }
-          if (updated.length !== a.items.length) throw new AllocationAborted('conflict');
-          try {
-            await tx.query(
-              `INSERT INTO t_commit (reservation_id, pool_id, owner, resource_ids, body) VALUES ($1, $2, $3, $4::bigint[], $5)`,
-              [a.reservationId, a.poolId, a.owner, a.items.map((i) => i.id), JSON.stringify(a.body)],
-            );
-          } catch (err) {
-            if (sqlState(err) === '23505') throw new AllocationAborted('duplicate');
-            throw err;
-          }
-          return 'committed' as const;
-        });
-      } catch (err) {
-        if (err instanceof AllocationAborted) return err.result;
-        throw err;
+  allocate(a: Allocation): Promise<AllocationResult> {
+    return pg(() => this.commits.submit(a));
+  }
+
+  private async allocateBatch(batch: Allocation[]): Promise<(AllocationResult | Error)[]> {
+    // One order for every batch: two batches then meet each other's rows in the same order.
+    const order = batch.map((a, i) => ({ a, i })).sort((x, y) => (x.a.reservationId < y.a.reservationId ? -1 : 1));
+    try {
+      const results = await this.callAllocate(order.map((o) => o.a));
+      const answers: AllocationResult[] = new Array<AllocationResult>(batch.length);
+      order.forEach((o, k) => (answers[o.i] = results[k]));
+      return answers;
+    } catch (err) {
+      // Two batches can still deadlock on rows of stale holds; Postgres aborts one: run its commits alone,
+      // one after the other (a deadlock of one of those is a 503: nothing was changed).
+      if (sqlState(err) !== '40P01' || batch.length === 1) throw err;
+      const answers: (AllocationResult | Error)[] = [];
+      for (const a of batch) {
+        answers.push(
+          await this.callAllocate([a]).then(
+            (r): AllocationResult | Error => r[0],
+            (e: Error) => e,
+          ),
+        );
       }
+      return answers;
+    }
+  }
+
+  private async callAllocate(batch: Allocation[]): Promise<AllocationResult[]> {
+    const pool = (this.db.driver as PostgresDriver).master as PgPool;
+    const { rows } = await pool.query<{ results: AllocationResult[] }>({
+      name: 'respool_allocate',
+      text: 'SELECT respool_allocate($1, $2, $3, $4, $5, $6::jsonb[], $7, $8, $9, $10) AS results',
+      values: [
+        batch.map((a) => a.poolId),
+        batch.map((a) => a.reservationId),
+        batch.map((a) => a.epoch),
+        batch.map((a) => a.generation),
+        batch.map((a) => a.owner),
+        batch.map((a) => JSON.stringify(a.body)),
+        batch.map((a) => a.items.length),
+        batch.flatMap((a) => a.items.map((i) => i.id)),
+        batch.flatMap((a) => a.items.map((i) => i.version)),
+        GENERATION_LOCK,
+      ],
     });
+    return rows[0].results;
   }
 
   /**
-   * Records that a commit epoch is given up, unless its commit got there first (the insert waits for a
-   * commit in flight). Returns who ended the epoch.
+   * Records that the reservation's commit epochs up to `epoch` are given up, except those whose commit
+   * got there first (each insert waits for a commit in flight): an earlier epoch's commit may still be
+   * in flight after its caller gave up on it. Returns 'commit' if any of them committed.
    */
   async decideAbort(reservationId: string, epoch: number): Promise<'commit' | 'abort'> {
     return pg(async () => {
-      const inserted: unknown[] = await this.db.query(
-        `INSERT INTO t_commit_decision (reservation_id, epoch, decision) VALUES ($1, $2, 'abort')
-         ON CONFLICT (reservation_id, epoch) DO NOTHING RETURNING decision`,
+      await this.db.query(
+        `INSERT INTO t_commit_decision (reservation_id, epoch, decision)
+         SELECT $1, e, 'abort' FROM generate_series(1, $2::int) AS e
+         ON CONFLICT (reservation_id, epoch) DO NOTHING`,
         [reservationId, epoch],
       );
-      if (inserted.length === 1) return 'abort';
-      // A new statement, so a new snapshot: it sees the row whose commit the insert waited for.
-      const rows: { decision: 'commit' | 'abort' }[] = await this.db.query(
-        `SELECT decision FROM t_commit_decision WHERE reservation_id = $1 AND epoch = $2`,
+      // A new statement, so a new snapshot: it sees the rows whose commits the insert waited for.
+      const rows: { committed: boolean }[] = await this.db.query(
+        `SELECT coalesce(bool_or(decision = 'commit'), false) AS committed FROM t_commit_decision
+          WHERE reservation_id = $1 AND epoch <= $2`,
         [reservationId, epoch],
       );
-      return rows[0].decision;
+      return rows[0].committed ? 'commit' : 'abort';
     });
   }
 
@@ -180,11 +194,5 @@ export class ResourceRepository {
         limit,
       ]),
     );
-  }
-}
-
-class AllocationAborted extends Error {
-  constructor(readonly result: AllocationResult) {
-    super(result);
   }
 }

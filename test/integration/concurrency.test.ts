@@ -1,4 +1,5 @@
-import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { afterAll, beforeAll, describe, expect, it, vi } from 'vitest';
+import { ResourceRepository } from '../../src/database/resource.repository.js';
 import { TestInstance, TestWorld, numbers, seedPool } from '../support/harness.js';
 
 // Invariants 1 and 2 under real concurrency: two app instances on one Postgres and one Redis.
@@ -52,6 +53,36 @@ describe('two instances, one Postgres, one Redis', () => {
     expect(history).toEqual([{ action: 'allocate', version: chosen.version + 1 }]);
     const [row] = await world.query(`SELECT state, version, owner FROM t_resource WHERE id = $1`, [chosen.resourceId]);
     expect(row).toEqual({ state: 2, version: chosen.version + 1, owner: 'payer' });
+  });
+
+  it('60 confirms at once share commit batches, and each lands or fails on its own: stale ones 409, the rest 200', async () => {
+    await seedPool(a, 'batched', numbers(180));
+    const reservations = await Promise.all(
+      Array.from({ length: 60 }, (_, i) => a.post('/v1/pools/batched/reservations', { owner: `buyer-${i}`, count: 3 })),
+    );
+    const chosen = reservations.map((r) => r.body.items[0].resourceId as string);
+    // Ten of the chosen items moved on in Postgres behind the holds' backs: their version checks must fail.
+    const stale = chosen.filter((_, i) => i % 6 === 0);
+    await world.query(`UPDATE t_resource SET version = version + 1 WHERE id = ANY($1::bigint[])`, [stale]);
+    const repository = a.app.get(ResourceRepository) as unknown as { callAllocate: (batch: unknown[]) => Promise<unknown> };
+    const batches = vi.spyOn(repository, 'callAllocate');
+    const answers = await Promise.all(
+      reservations.map((r, i) => a.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [chosen[i]] })),
+    );
+    const sizes = batches.mock.calls.map(([batch]) => batch.length);
+    batches.mockRestore();
+    expect(sizes.reduce((x, y) => x + y, 0)).toBe(60);
+    expect(Math.max(...sizes)).toBeGreaterThan(1);
+    answers.forEach((answer, i) => {
+      if (stale.includes(chosen[i])) expect(answer.body.error?.code).toBe('HOLD_LOST');
+      else expect(answer.status).toBe(200);
+    });
+    const [row] = await world.query(
+      `SELECT count(*)::int AS n, count(DISTINCT reservation_id)::int AS reservations FROM t_allocation_history h
+         JOIN t_pool p ON p.id = h.pool_id WHERE p.name = 'batched' AND h.action = 'allocate'`,
+    );
+    expect(row).toEqual({ n: 50, reservations: 50 });
+    expect((await a.get('/v1/pools/batched')).body.stats).toMatchObject({ total: 180, allocated: 50 });
   });
 
   it('many buyers confirming and releasing concurrently never allocate an item twice', async () => {

@@ -45,6 +45,7 @@ describe('dependency outages', () => {
     expect(isPostgresOutage({ code: '57P01' })).toBe(true);
     expect(isPostgresOutage({ code: '57014' })).toBe(true);
     expect(isPostgresOutage({ code: '25P03' })).toBe(true);
+    expect(isPostgresOutage({ code: '40P01' })).toBe(true); // deadlock: rolled back, a retry may pass
     expect(isPostgresOutage({ driverError: { code: '08006' } })).toBe(true);
     expect(isPostgresOutage({ code: '42601' })).toBe(false);
     expect(isPostgresOutage({ code: '23505' })).toBe(false);
