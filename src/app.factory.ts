@@ -6,9 +6,9 @@ import type { FastifyReply, FastifyRequest } from 'fastify';
 import { randomUUID } from 'node:crypto';
 import type { IncomingMessage } from 'node:http';
 import type { Redis } from 'ioredis';
-import { Logger } from 'nestjs-pino';
 import { AppModule } from './app.module.js';
 import { createValidationPipe } from './common/validation.js';
+import { createPino, PinoLoggerService } from './common/logger.js';
 import { errorBody, ErrorCode, HTTP_STATUS } from './common/errors.js';
 import { RateLimiter } from './common/rate-limiter.js';
 import { AppConfig } from './config/app-config.js';
@@ -46,17 +46,17 @@ export function buildOpenApi(app: NestFastifyApplication) {
 export async function createApp(config: AppConfig, options: { logger?: boolean } = {}): Promise<NestFastifyApplication> {
   await runMigrations(config);
   const adapter = new FastifyAdapter({
-    // The request id every log line of a request carries (pino-http reuses it); echoed in x-request-id.
+    // The request id of the request's log lines; echoed in x-request-id.
     genReqId: requestId,
     bodyLimit: config.BODY_LIMIT_BYTES,
     return503OnClosing: true,
     forceCloseConnections: 'idle',
   });
+  const log = createPino(config.LOG_LEVEL);
   const app = await NestFactory.create<NestFastifyApplication>(AppModule.forRoot(config), adapter, {
-    bufferLogs: true,
+    logger: options.logger === false ? false : new PinoLoggerService(log),
     abortOnError: false,
   });
-  app.useLogger(options.logger === false ? false : app.get(Logger));
   try {
     const redis = app.get<Redis>(REDIS);
     await redis.connect();
@@ -73,11 +73,23 @@ export async function createApp(config: AppConfig, options: { logger?: boolean }
   fastify.addHook('onRequest', async (req: FastifyRequest, reply: FastifyReply) => {
     void reply.header('x-request-id', req.id);
   });
+  const logRequests = config.LOG_REQUESTS === 'true' && options.logger !== false;
   fastify.addHook('onResponse', async (req: FastifyRequest, reply: FastifyReply) => {
     metrics.httpDuration.observe(
       { method: req.method, route: req.routeOptions.url ?? 'unmatched', status: String(reply.statusCode) },
       reply.elapsedTime / 1000,
     );
+    if (logRequests) {
+      log.info(
+        {
+          reqId: req.id,
+          req: { method: req.method, url: req.url },
+          res: { statusCode: reply.statusCode },
+          responseTime: reply.elapsedTime,
+        },
+        'request completed',
+      );
+    }
   });
   if (config.RATE_LIMIT_PER_SECOND > 0) {
     const limiter = new RateLimiter(config.RATE_LIMIT_PER_SECOND, config.RATE_LIMIT_BURST || config.RATE_LIMIT_PER_SECOND);

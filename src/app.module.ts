@@ -1,8 +1,7 @@
-import { DynamicModule, Global, Module, RequestMethod } from '@nestjs/common';
+import { DynamicModule, Global, Module } from '@nestjs/common';
 import { APP_FILTER } from '@nestjs/core';
 import { TerminusModule } from '@nestjs/terminus';
 import { TypeOrmModule } from '@nestjs/typeorm';
-import { LoggerModule } from 'nestjs-pino';
 import { AllExceptionsFilter } from './common/all-exceptions.filter.js';
 import { AppConfig } from './config/app-config.js';
 import { CommitRepository } from './database/commit.repository.js';
@@ -62,19 +61,6 @@ export class AppModule {
       imports: [
         InfrastructureModule.forRoot(config),
         TypeOrmModule.forRoot({ ...dataSourceOptions(config), retryAttempts: 0 }),
-        LoggerModule.forRoot({
-          // nestjs-pino's default route pattern ("{/*splat}") does not match under the Fastify adapter of
-          // Nest 12; "*path" does.
-          forRoutes: [{ path: '*path', method: RequestMethod.ALL }],
-          pinoHttp: {
-            level: config.LOG_LEVEL,
-            autoLogging: config.LOG_REQUESTS === 'true',
-            serializers: {
-              req: (req: { id: string; method: string; url: string }) => ({ id: req.id, method: req.method, url: req.url }),
-              res: (res: { statusCode: number }) => ({ statusCode: res.statusCode }),
-            },
-          },
-        }),
         TerminusModule.forRoot({ logger: false }),
       ],
       controllers: [PoolsController, ReservationsController, TasksController, HealthController, MetricsController],

@@ -1,4 +1,6 @@
-import { ValidationError, ValidationPipe } from '@nestjs/common';
+import { ArgumentMetadata, Injectable, PipeTransform, ValidationError } from '@nestjs/common';
+import { plainToInstance } from 'class-transformer';
+import { validateSync, ValidatorOptions } from 'class-validator';
 import { DomainError, FieldError } from './errors.js';
 
 /** Flattens class-validator's tree into `{ field: "filter.attributes", reason }` entries. */
@@ -14,13 +16,30 @@ export function flattenValidationErrors(errors: ValidationError[], parent = ''):
   return out;
 }
 
-export function createValidationPipe(): ValidationPipe {
-  return new ValidationPipe({
-    whitelist: true,
-    forbidNonWhitelisted: true,
-    forbidUnknownValues: true,
-    transform: true,
-    validateCustomDecorators: false,
-    exceptionFactory: (errors) => DomainError.validation(flattenValidationErrors(errors)),
-  });
+const OPTIONS: ValidatorOptions = { whitelist: true, forbidNonWhitelisted: true, forbidUnknownValues: true };
+const UNVALIDATED = new Set<unknown>([String, Number, Boolean, Array, Object]);
+
+/**
+ * Validates every body and path with its DTO's class-validator decorators, synchronously: Nest's
+ * ValidationPipe does the same work through promises and several extra passes over the value, which
+ * the profile showed at a sixth of a confirm's CPU time. Unknown fields are refused, like everything
+ * else that fails, with 400 VALIDATION_FAILED and `details.fields`.
+ */
+@Injectable()
+export class DtoValidationPipe implements PipeTransform {
+  transform(value: unknown, { metatype, type }: ArgumentMetadata): unknown {
+    if (type === 'custom' || !metatype || UNVALIDATED.has(metatype)) return value;
+    const plain = value ?? {};
+    if (typeof plain !== 'object' || Array.isArray(plain)) {
+      throw DomainError.validation([{ field: type, reason: `the ${type} must be a JSON object` }]);
+    }
+    const instance = plainToInstance(metatype as new () => object, plain);
+    const errors = validateSync(instance, OPTIONS);
+    if (errors.length > 0) throw DomainError.validation(flattenValidationErrors(errors));
+    return instance;
+  }
+}
+
+export function createValidationPipe(): DtoValidationPipe {
+  return new DtoValidationPipe();
 }
