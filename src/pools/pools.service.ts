@@ -24,7 +24,10 @@ export function toPoolDto(pool: PoolEntity): PoolDto {
 }
 
 export function toCachedItem(row: ResourceRow): CachedItem {
-  return { id: row.id, v: row.value, n: row.version, g: row.groupKey, a: row.attributes };
+  const item: CachedItem = { id: row.id, v: row.value, n: row.version };
+  if (row.groupKey !== null) item.g = row.groupKey;
+  if (Object.keys(row.attributes).length > 0) item.a = row.attributes;
+  return item;
 }
 
 @Injectable()
@@ -45,6 +48,13 @@ export class PoolsService {
     if (holdTtlMs > maxHoldTtlMs) {
       throw DomainError.validation([{ field: 'holdTtlMs', reason: `holdTtlMs must not be greater than maxHoldTtlMs (${maxHoldTtlMs})` }]);
     }
+    // The pool's Redis generation first: a rebuild takes a missing key for a wiped Redis. Not while Redis
+    // is wiped and not rebuilt yet (the rebuild would bump the generation read now), and nothing is
+    // written to Postgres if Redis is down (503).
+    if (!(await this.holds.markerPresent())) {
+      throw DomainError.unavailable('redis', new Error('Redis was wiped and is being rebuilt from Postgres'));
+    }
+    await this.holds.setGeneration(dto.name, await this.generations.current(), 'ifMissing');
     const pool = await this.pools.insert({
       name: dto.name,
       kind: dto.kind,
@@ -54,12 +64,6 @@ export class PoolsService {
     });
     if (!pool) throw new DomainError(ErrorCode.POOL_EXISTS, `pool "${dto.name}" already exists`, { pool: dto.name });
     this.catalog.remember(pool);
-    try {
-      await this.holds.setGeneration(pool.name, await this.generations.current(), true);
-    } catch (err) {
-      // The pool exists in Postgres; the next rebuild gives it its generation.
-      this.logger.warn(`created pool "${pool.name}" but could not set its Redis generation: ${String(err)}`);
-    }
     return toPoolDto(pool);
   }
 

@@ -7,13 +7,16 @@ import { DomainError } from '../common/errors.js';
 import { freeMember, markerKey, poolKeys } from './keys.js';
 import { REDIS } from './redis.client.js';
 
-/** An item as Redis caches it: the JSON stored in the item hash, in reservations and in imports. */
+/**
+ * An item as Redis caches it: the JSON stored in the item hash, in reservations and in imports. The
+ * group key and the attributes are left out when empty (every byte counts a million times).
+ */
 export interface CachedItem {
   id: string;
   v: string;
   n: number;
-  g: string | null;
-  a: Record<string, string>;
+  g?: string | null;
+  a?: Record<string, string>;
 }
 
 export type StoredState = 'held' | 'confirming' | 'confirmed' | 'released' | 'expired';
@@ -60,7 +63,10 @@ export type PinResult =
   | { status: 'missing' | 'closed' }
   | { status: 'notin' | 'lost'; resourceId: string };
 
-export type ReleaseResult = { status: 'released' | 'confirmed'; reservation: StoredReservation } | { status: 'busy' | 'missing' };
+export type ReleaseResult =
+  | { status: 'released' | 'confirmed'; reservation: StoredReservation }
+  | { status: 'undecided'; epoch: number }
+  | { status: 'busy' | 'missing' };
 
 export type ExtendResult = { status: 'extended'; reservation: StoredReservation } | { status: 'expired' | 'closed' | 'missing' };
 
@@ -229,9 +235,11 @@ export class HoldStore implements OnApplicationShutdown {
     return (await this.run<number>('unpin', pool, reservationId, epoch)) === 1;
   }
 
-  async release(pool: string, reservationId: string): Promise<ReleaseResult> {
-    const reply = await this.run<string[]>('release', pool, reservationId, this.retentionMs);
+  /** `abortedEpoch`: the reservation's commit epoch, which Postgres has recorded as given up. */
+  async release(pool: string, reservationId: string, abortedEpoch?: number): Promise<ReleaseResult> {
+    const reply = await this.run<string[]>('release', pool, reservationId, this.retentionMs, abortedEpoch ?? '');
     if (reply[0] === 'released' || reply[0] === 'confirmed') return { status: reply[0], reservation: parseReservation(reply) };
+    if (reply[0] === 'undecided') return { status: 'undecided', epoch: Number(reply[1]) };
     return { status: reply[0] as 'busy' | 'missing' };
   }
 
@@ -287,10 +295,26 @@ export class HoldStore implements OnApplicationShutdown {
     return added;
   }
 
-  /** Writes the pool's Redis generation (the rebuild), or only if it has none yet (`ifMissing`, a new pool). */
-  async setGeneration(pool: string, generation: number, ifMissing = false): Promise<void> {
+  /**
+   * Writes the pool's Redis generation: `always` (a rebuild in a new generation), `ifMissing` (a new pool),
+   * `ifPresent` (a rebuild in the current generation: a missing key means Redis was wiped since, and the
+   * old generation must not be written into the new Redis). Returns whether the key was written.
+   */
+  async setGeneration(pool: string, generation: number, mode: 'always' | 'ifMissing' | 'ifPresent'): Promise<boolean> {
     const key = poolKeys(this.prefix, pool).generation;
-    await this.command(() => (ifMissing ? this.redis.set(key, generation, 'NX') : this.redis.set(key, generation)));
+    const reply = await this.command(() =>
+      mode === 'always'
+        ? this.redis.set(key, generation)
+        : mode === 'ifMissing'
+          ? this.redis.set(key, generation, 'NX')
+          : this.redis.set(key, generation, 'XX'),
+    );
+    return reply === 'OK';
+  }
+
+  /** Drops the item cache of key layout 1 (one hash a pool), if an older version left it behind. */
+  async dropLegacyItemCache(pool: string): Promise<void> {
+    await this.command(() => this.redis.unlink(`${poolKeys(this.prefix, pool).base}item`));
   }
 
   async freeCount(pool: string): Promise<number> {

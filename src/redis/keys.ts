@@ -11,7 +11,8 @@ export const poolKeys = (prefix: string, pool: string) => {
   return {
     base,
     free: `${base}free`,
-    items: `${base}item`,
+    /** The hash caching this item while it is unallocated (ids in buckets of 100, see _lib.lua). */
+    itemBucket: (resourceId: string) => `${base}item:${resourceId.slice(0, -2) || '0'}`,
     expiries: `${base}exp`,
     generation: `${base}gen`,
     hold: (resourceId: string) => `${base}h:${resourceId}`,
@@ -19,9 +20,15 @@ export const poolKeys = (prefix: string, pool: string) => {
   };
 };
 
+/**
+ * Version of the key layout below. A new layout renames the marker, so an instance of the new version
+ * finds no marker and rebuilds Redis from Postgres as after a wipe (2: item cache in buckets of 100).
+ */
+export const KEY_LAYOUT = 2;
+
 /** Present while Redis holds state rebuilt from Postgres; its absence means Redis was wiped. */
 export function markerKey(prefix: string): string {
-  return `${prefix}meta:rebuilt`;
+  return `${prefix}meta:rebuilt:${KEY_LAYOUT}`;
 }
 
 /** The member an item has in the free index: value, NUL, id (sorted by value for prefix search). */

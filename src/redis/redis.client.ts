@@ -4,13 +4,19 @@ import { AppConfig } from '../config/app-config.js';
 export const REDIS = Symbol('REDIS');
 
 /**
- * One connection per instance. Commands fail at once while Redis is unreachable (no offline queue),
- * so callers answer 503 instead of piling requests up; ioredis reconnects on its own with backoff.
+ * One connection per instance. Commands fail at once while Redis is unreachable (no offline queue) and
+ * are never re-sent after a reconnect, so callers answer 503 instead of piling requests up, and a 503
+ * changed nothing later either; ioredis reconnects on its own with backoff.
  */
 export function createRedis(config: AppConfig): Redis {
   return new Redis(config.REDIS_URL, {
     lazyConnect: true,
     enableOfflineQueue: false,
+    // A command in flight when the connection dropped has already been answered as a failure (503, or a
+    // timeout): it must not run later on the reconnected, possibly wiped and rebuilt, Redis. Re-sent, a
+    // reserve would hold items for a caller that was told nothing happened, and an add_free would put
+    // back items that were allocated while it waited.
+    autoResendUnfulfilledCommands: false,
     maxRetriesPerRequest: 1,
     commandTimeout: config.REDIS_TIMEOUT_MS,
     connectTimeout: config.REDIS_TIMEOUT_MS,

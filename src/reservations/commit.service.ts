@@ -103,9 +103,8 @@ export class CommitService {
       return outcome;
     }
     // Someone ended this reservation's commit first: the same confirm on another instance, or the sweeper.
-    const row = await this.commits.find(r.id);
-    if (row) {
-      const committed = row.body as unknown as CommitOutcome;
+    const committed = await this.landedCommit(r.id);
+    if (committed) {
       await this.finishQuietly(pool, r.id, committed);
       return sameSelection(committed, selection);
     }
@@ -118,7 +117,13 @@ export class CommitService {
       );
     }
     this.metrics.confirmConflicts.inc({ reason: 'version_changed' });
-    if ((await this.resources.decideAbort(r.id, r.epoch)) === 'abort') await this.abortWithTruth(pool, r);
+    // An earlier commit epoch of this reservation may have landed after all (its caller had given up on it).
+    const landed = await this.endEpochs(r.id, r.epoch);
+    if (landed) {
+      await this.finishQuietly(pool, r.id, landed);
+      return sameSelection(landed, selection);
+    }
+    await this.abortWithTruth(pool, r);
     const rows = await this.resources.findMany(pool.id, selection);
     const generation = await this.generations.current();
     const err = holdLost(selection, 'version_changed');
@@ -130,10 +135,29 @@ export class CommitService {
     throw err;
   }
 
+  /** The reservation's commit as Postgres recorded it, or null. */
+  private async landedCommit(reservationId: string): Promise<CommitOutcome | null> {
+    const row = await this.commits.find(reservationId);
+    return row ? (row.body as unknown as CommitOutcome) : null;
+  }
+
+  /**
+   * Postgres ends the reservation's commit epochs up to `epoch` (see ResourceRepository.decideAbort).
+   * Returns the commit if one of them landed, null if they are all given up now.
+   */
+  private async endEpochs(reservationId: string, epoch: number): Promise<CommitOutcome | null> {
+    if ((await this.resources.decideAbort(reservationId, epoch)) === 'abort') return null;
+    return this.landedCommit(reservationId);
+  }
+
+  private finish(pool: PoolEntity, reservationId: string, outcome: CommitOutcome): Promise<number> {
+    return this.holds.finish(pool.name, reservationId, outcome.allocated, outcome as unknown as Record<string, unknown>);
+  }
+
   /** The commit is durable in Postgres; if Redis fails now, the sweeper finishes it from the commit row. */
   private async finishQuietly(pool: PoolEntity, reservationId: string, outcome: CommitOutcome): Promise<void> {
     try {
-      await this.holds.finish(pool.name, reservationId, outcome.allocated, outcome as unknown as Record<string, unknown>);
+      await this.finish(pool, reservationId, outcome);
     } catch (err) {
       this.logger.warn(`commit of ${reservationId} is durable, Redis clean-up deferred to the sweeper: ${String(err)}`);
     }
@@ -160,6 +184,16 @@ export class CommitService {
   }
 
   /**
+   * Before a reservation that once started a commit is released: Postgres decides its epochs. A commit
+   * that landed unseen is finished now (the reservation is then confirmed in Redis); otherwise every
+   * epoch is given up, so none can land after the release.
+   */
+  async settle(pool: PoolEntity, reservationId: string, epoch: number): Promise<void> {
+    const landed = await this.endEpochs(reservationId, epoch);
+    if (landed) await this.finish(pool, reservationId, landed);
+  }
+
+  /**
    * Sweeper hand-off: a reservation whose commit window ran out (its instance died or stalled), or an
    * expired one that once started a commit. Postgres decides: finish it if the commit landed, else give
    * the epoch up, so a commit still in flight can no longer land.
@@ -167,12 +201,10 @@ export class CommitService {
   async recoverStalled(pool: PoolEntity, reservationId: string): Promise<'finished' | 'held' | 'expired' | 'gone'> {
     const r = await this.holds.read(pool.name, reservationId);
     if (!r || (r.state !== 'confirming' && r.state !== 'held') || r.epoch === 0) return 'gone';
-    if ((await this.resources.decideAbort(r.id, r.epoch)) === 'commit') {
-      const row = await this.commits.find(r.id);
-      if (row) {
-        await this.holds.finish(pool.name, r.id, (row.body as unknown as CommitOutcome).allocated, row.body);
-        return 'finished';
-      }
+    const landed = await this.endEpochs(r.id, r.epoch);
+    if (landed) {
+      await this.finish(pool, r.id, landed);
+      return 'finished';
     }
     const how = await this.abortWithTruth(pool, r);
     return how === 'stale' ? 'gone' : how;

@@ -20,7 +20,7 @@ export function toReservationDto(pool: string, r: StoredReservation): Reservatio
     pool,
     owner: r.owner,
     state: apiState(r),
-    items: r.items.map((i) => ({ resourceId: i.id, value: i.v, version: i.n, attributes: i.a })),
+    items: r.items.map((i) => ({ resourceId: i.id, value: i.v, version: i.n, attributes: i.a ?? {} })),
     expiresAt: new Date(r.expiresMs).toISOString(),
   };
   if (r.state === 'confirmed' && r.outcome) {
@@ -38,7 +38,7 @@ export function committedReservationDto(pool: string, id: string, outcome: Commi
     pool,
     owner: outcome.owner,
     state: 'confirmed',
-    items: outcome.items.map((i) => ({ resourceId: i.id, value: i.v, version: i.n, attributes: i.a })),
+    items: outcome.items.map((i) => ({ resourceId: i.id, value: i.v, version: i.n, attributes: i.a ?? {} })),
     expiresAt: new Date(outcome.expiresMs).toISOString(),
     allocated: outcome.allocated,
     released: outcome.released,

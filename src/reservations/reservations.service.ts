@@ -141,8 +141,16 @@ export class ReservationsService {
   }
 
   async releaseHold(pool: PoolEntity, id: string): Promise<StoredReservation> {
-    const result = await this.holds.release(pool.name, id);
+    let result = await this.holds.release(pool.name, id);
+    if (result.status === 'undecided') {
+      // A confirm of it failed without an answer from Postgres: settle that commit first. Landed: the
+      // reservation is confirmed now, and the release answers so. Given up: the release goes ahead.
+      await this.committer.settle(pool, id, result.epoch);
+      result = await this.holds.release(pool.name, id, result.epoch);
+    }
     switch (result.status) {
+      case 'undecided':
+        throw new DomainError(ErrorCode.RESERVATION_CLOSED, 'a confirm of this reservation is in progress', { id });
       case 'released':
         return result.reservation;
       case 'confirmed':

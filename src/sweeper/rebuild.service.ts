@@ -48,13 +48,23 @@ export class RebuildService {
       for (let round = 1; ; round++) {
         // After a wipe, a new Redis generation: commits pinned before it can no longer land (the bump waits
         // for those in flight), so the items the rebuild hands out again are really free.
-        const generation = reason === 'wiped' || round > 1 ? await this.generations.bump() : await this.generations.current();
+        const fresh = reason === 'wiped' || round > 1;
+        const generation = fresh ? await this.generations.bump() : await this.generations.current();
         const token = `${generation} rebuilding:${this.instanceId}:${started}:${round}`;
         await this.holds.setMarker(token);
         const pools = await this.catalog.all();
-        // Every pool gets the generation before any item is added, so no hold is taken in an older one.
-        for (const pool of pools) await this.holds.setGeneration(pool.name, generation);
+        // Every pool gets the generation before any item is added, so no hold is taken in an older one. In
+        // the current generation only over an existing key: a missing one means Redis was wiped after this
+        // rebuild began, and holds taken on what it adds now would be fenced by the bump that must follow.
+        let intact = true;
+        for (const pool of pools)
+          intact = (await this.holds.setGeneration(pool.name, generation, fresh ? 'always' : 'ifPresent')) && intact;
+        if (!intact) {
+          this.logger.warn('a pool has no Redis generation: Redis was wiped; rebuilding in a new generation');
+          continue;
+        }
         for (const pool of pools) {
+          await this.holds.dropLegacyItemCache(pool.name);
           added += await this.rebuildPool(pool.id, pool.name, generation);
           await this.mutex.tryAcquire(JOB, this.instanceId, LEASE_MS); // renew the lease between pools
         }

@@ -94,8 +94,8 @@ function toLease(r: StoredReservation): TaskLeaseDto {
     leaseId: r.id,
     resourceId: item.id,
     value: item.v,
-    groupKey: item.g,
-    attributes: item.a,
+    groupKey: item.g ?? null,
+    attributes: item.a ?? {},
     expiresAt: new Date(r.expiresMs).toISOString(),
   };
 }

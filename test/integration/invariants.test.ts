@@ -5,7 +5,7 @@ import { ResourceRepository } from '../../src/database/resource.repository.js';
 import { HoldStore } from '../../src/redis/hold-store.repository.js';
 import { REDIS } from '../../src/redis/redis.client.js';
 import { holdSnapshot } from '../support/hold-snapshot.js';
-import { TestInstance, TestWorld, eventually, numbers, seedPool, sleep, stalledConfirm } from '../support/harness.js';
+import { TestInstance, TestWorld, eventually, numbers, seedPool, sleep, stalledConfirm, reserveWhenFree } from '../support/harness.js';
 
 /** Every live hold in Redis: item id -> reservation ids holding it; and the ids in the free index. */
 const liveHolds = (redis: Redis, prefix: string, pool: string) => holdSnapshot(redis, `${prefix}{${pool}}:`);
@@ -104,10 +104,7 @@ describe('invariants 1-4 checked against the stores', () => {
     const id = r.body.items[0].resourceId;
     const slow = await stalledConfirm(a, 'too-slow', r.body.id, id, 1000);
     // The sweeper gives the epoch up and the item returns; a rival takes and confirms it.
-    const { value: rival } = await eventually(async () => {
-      const t = await b.post('/v1/pools/too-slow/reservations', { owner: 'rival', count: 1 });
-      return t.status === 201 ? t : null;
-    }, 5000);
+    const rival = await reserveWhenFree(b, 'too-slow', 'rival');
     // Now the slow commit reaches Postgres, still with a valid version: the decision row refuses it.
     const late = await slow.land();
     expect(late).toBe('decided');

@@ -1,6 +1,7 @@
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { JobMutexRepository } from '../../src/database/job-mutex.repository.js';
 import { RebuildService } from '../../src/sweeper/rebuild.service.js';
+import { poolKeys } from '../../src/redis/keys.js';
 import { TestInstance, TestWorld, numbers, seedPool } from '../support/harness.js';
 
 describe('rebuild of Redis from Postgres, one instance at a time', () => {
@@ -67,5 +68,42 @@ describe('rebuild of Redis from Postgres, one instance at a time', () => {
       expect(heldIds).not.toContain(item.resourceId);
       expect(item.resourceId).not.toBe(bought.body.items[0].resourceId);
     }
+  });
+
+  it('a rebuild in the current generation that finds a generation key gone (wiped meanwhile) rebuilds in a new one', async () => {
+    await seedPool(a, 'gen-gone', numbers(2));
+    const [{ gen: before }] = await world.query(`SELECT gen::int AS gen FROM t_redis_generation`);
+    const { Redis } = await import('ioredis');
+    const client = new Redis(a.config.REDIS_URL);
+    try {
+      // As if Redis was wiped after this rebuild wrote its marker: re-writing the old generation would let
+      // holds be taken that the bump after the wipe fences.
+      await client.del(`${world.prefix}{gen-gone}:gen`);
+      expect(await b.app.get(RebuildService).rebuild('periodic')).not.toBeNull();
+      const [{ gen: after }] = await world.query(`SELECT gen::int AS gen FROM t_redis_generation`);
+      expect(after).toBe(before + 1);
+      expect(await client.get(`${world.prefix}{gen-gone}:gen`)).toBe(String(after));
+      expect(await client.get(`${world.prefix}{rebuilt}:gen`)).toBe(String(after));
+    } finally {
+      client.disconnect();
+    }
+    expect((await a.post('/v1/pools/gen-gone/reservations', { owner: 'n', count: 2 })).status).toBe(201);
+  });
+
+  it('an item under a live hold that has no cache entry (a new key layout) gets one, and is free again when the hold ends', async () => {
+    await seedPool(a, 'uncached', numbers(1));
+    const r = await a.post('/v1/pools/uncached/reservations', { owner: 'h', count: 1 });
+    const id = r.body.items[0].resourceId;
+    const { Redis } = await import('ioredis');
+    const client = new Redis(a.config.REDIS_URL);
+    try {
+      await client.hdel(poolKeys(world.prefix, 'uncached').itemBucket(id), id);
+    } finally {
+      client.disconnect();
+    }
+    expect(await b.app.get(RebuildService).rebuild('periodic')).toBe(0); // held: not indexed
+    expect((await a.del(`/v1/reservations/${r.body.id}`)).status).toBe(200);
+    const again = await a.post('/v1/pools/uncached/reservations', { owner: 'n', count: 1 });
+    expect(again.body.items?.[0]?.resourceId).toBe(id);
   });
 });

@@ -1,7 +1,10 @@
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { createApp } from '../../src/app.factory.js';
-import { TestInstance, TestWorld, eventually, numbers, seedPool, sleep, stalledConfirm } from '../support/harness.js';
+import { TestInstance, TestWorld, eventually, numbers, seedPool, sleep, stalledConfirm, reserveWhenFree } from '../support/harness.js';
 import { OwnRedis, TcpProxy } from '../support/services.js';
+import { GenerationRepository } from '../../src/database/generation.repository.js';
+import { HoldStore } from '../../src/redis/hold-store.repository.js';
+import { poolKeys } from '../../src/redis/keys.js';
 
 // Invariants 4, 5 and 6 under lost dependencies. This file runs its own redis-server, so it may
 // flush, stop and restart it without touching the machine's Redis, and reaches Postgres through a
@@ -88,16 +91,76 @@ describe('recovery: Redis wiped or down, Postgres down, an instance gone', () =>
     const client = redis.client();
     await client.flushall();
     client.disconnect();
-    const { value: rival } = await eventually(async () => {
-      const t = await api.post('/v1/pools/wiped-mid-commit/reservations', { owner: 'rival', count: 1 });
-      return t.status === 201 ? t : null;
-    }, 5000);
+    const rival = await reserveWhenFree(api, 'wiped-mid-commit', 'rival');
     // The stalled commit arrives with a valid version, but from the old Redis generation: refused.
     const late = await slow.land();
     expect(late).toBe('conflict');
     const won = await api.post(`/v1/reservations/${rival.body.id}/confirm`, { resourceIds: [id] });
     expect(won.status).toBe(200);
     expect(await world.query(`SELECT owner FROM t_resource WHERE id = $1`, [id])).toEqual([{ owner: 'rival' }]);
+  });
+
+  it('invariant 5: a free-index write that read Postgres before a wipe cannot put back an item allocated since', async () => {
+    await seedPool(api, 'stale-page', numbers(2));
+    const holds = api.app.get(HoldStore);
+    const before = await api.app.get(GenerationRepository).current();
+    const r = await api.post('/v1/pools/stale-page/reservations', { owner: 'buyer', count: 1 });
+    const [held] = r.body.items;
+    // What a rebuild page, an import or a release read just before the allocation: the item, free.
+    const stale = { id: held.resourceId, v: held.value, n: held.version, g: null, a: {} };
+    expect((await api.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [held.resourceId] })).status).toBe(200);
+    const client = redis.client();
+    await client.flushall();
+    client.disconnect();
+    await eventually(async () => (await stats('stale-page'))?.free === 1, 5000);
+    // The late write arrives after the rebuild: its allocation tombstone was wiped, the generation fences it.
+    expect(await holds.addFree('stale-page', before, [stale])).toBe(0);
+    const taken = await api.post('/v1/pools/stale-page/reservations', { owner: 'after', count: 2 });
+    expect(taken.body.error.code).toBe('POOL_EXHAUSTED');
+    const one = await api.post('/v1/pools/stale-page/reservations', { owner: 'after', count: 1 });
+    expect(one.body.items[0].resourceId).not.toBe(held.resourceId);
+    // Before the rebuild (no generation key yet) nothing is added either: the rebuild reads Postgres again.
+    const gen = poolKeys(api.config.REDIS_KEY_PREFIX, 'stale-page').generation;
+    const admin = redis.client();
+    const current = await admin.get(gen);
+    await admin.del(gen);
+    try {
+      expect(await holds.addFree('stale-page', Number(current), [stale])).toBe(0);
+      expect(await holds.holder('stale-page', held.resourceId)).toBeNull();
+    } finally {
+      await admin.set(gen, current!);
+      admin.disconnect();
+    }
+    expect((await api.post('/v1/pools/stale-page/reservations', { owner: 'after', count: 1 })).body.error.code).toBe('POOL_EXHAUSTED');
+  });
+
+  it('invariant 6: a Redis command answered 503 is not run later, when the connection comes back', async () => {
+    const proxy = await TcpProxy.start(redis.port);
+    const viaProxy = await world.start({
+      REDIS_URL: `redis://127.0.0.1:${proxy.port}`,
+      REDIS_TIMEOUT_MS: '300',
+      SWEEP_INTERVAL_MS: '10000',
+    });
+    try {
+      await seedPool(viaProxy, 'ghost', numbers(3));
+      // The reserve reaches the proxy but not Redis before its timeout; then the connection drops.
+      proxy.latencyMs = 2000;
+      const reserve = await viaProxy.post('/v1/pools/ghost/reservations', { owner: 'told-503', count: 3 });
+      expect(reserve.status).toBe(503);
+      expect(reserve.body.error.code).toBe('DEPENDENCY_UNAVAILABLE');
+      await proxy.cut();
+      proxy.latencyMs = 0;
+      await proxy.open();
+      await eventually(async () => (await viaProxy.get('/v1/pools/ghost')).status === 200, 5000);
+      await sleep(300);
+      // Re-sent on the new connection, it would hold all three for a caller that was told nothing happened.
+      expect((await viaProxy.get('/v1/pools/ghost')).body.stats).toMatchObject({ free: 3, held: 0 });
+      expect((await viaProxy.post('/v1/pools/ghost/reservations', { owner: 'next', count: 3 })).status).toBe(201);
+    } finally {
+      await viaProxy.close();
+      world.instances.splice(world.instances.indexOf(viaProxy), 1);
+      await proxy.cut();
+    }
   });
 
   it('invariant 6: with Redis down, reserve and confirm answer 503 DEPENDENCY_UNAVAILABLE and change nothing', async () => {
@@ -112,6 +175,9 @@ describe('recovery: Redis wiped or down, Postgres down, an instance gone', () =>
       expect(confirm.status).toBe(503);
       const imported = await api.post('/v1/pools/redis-down/resources', { items: [{ value: 'new-one' }] });
       expect(imported.status).toBe(503);
+      const created = await api.post('/v1/pools', { name: 'born-while-down', kind: 'number' });
+      expect(created.status).toBe(503);
+      expect(await world.query(`SELECT name FROM t_pool WHERE name = 'born-while-down'`)).toEqual([]);
       expect((await api.get('/health/ready')).status).toBe(503);
       const rows = await world.query(
         `SELECT count(*)::int AS n, count(*) FILTER (WHERE state = 2)::int AS allocated FROM t_resource r JOIN t_pool p ON p.id = r.pool_id WHERE p.name = 'redis-down'`,

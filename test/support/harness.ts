@@ -116,6 +116,15 @@ export async function eventually<T>(check: () => Promise<T | undefined | null | 
   }
 }
 
+/** Reserves one item of `pool` for `owner` as soon as one is free (a 201 within `timeoutMs`). */
+export async function reserveWhenFree(api: TestInstance, pool: string, owner: string, timeoutMs = 5000): Promise<HttpAnswer> {
+  const { value } = await eventually(async () => {
+    const r = await api.post(`/v1/pools/${pool}/reservations`, { owner, count: 1 });
+    return r.status === 201 ? r : null;
+  }, timeoutMs);
+  return value;
+}
+
 /** Creates a pool and imports `values` into it; returns the resource ids by value. */
 export async function seedPool(
   api: TestInstance,
@@ -143,15 +152,25 @@ export async function stalledConfirm(api: TestInstance, pool: string, reservatio
   if (pinned.status !== 'pinned') throw new Error(`pin: ${pinned.status}`);
   const land = async (): Promise<AllocationResult> => {
     const entity = await api.app.get(PoolRepository).findByName(pool);
-    const item = pinned.reservation.items.find((i) => i.id === resourceId)!;
+    const r = pinned.reservation;
+    const item = r.items.find((i) => i.id === resourceId)!;
+    // The answer the confirm would have stored (see CommitService).
+    const body = {
+      selection: [resourceId],
+      allocated: [{ resourceId, value: item.v, version: item.n + 1 }],
+      released: r.items.filter((i) => i.id !== resourceId).map((i) => i.id),
+      owner: r.owner,
+      items: r.items,
+      expiresMs: r.expiresMs,
+    };
     return api.app.get(ResourceRepository).allocate({
       poolId: entity!.id,
-      owner: pinned.reservation.owner,
+      owner: r.owner,
       reservationId,
-      epoch: pinned.reservation.epoch,
-      generation: pinned.reservation.generation,
+      epoch: r.epoch,
+      generation: r.generation,
       items: [{ id: resourceId, version: item.n }],
-      body: {},
+      body,
     });
   };
   return { pinned, land };

@@ -1,10 +1,23 @@
 import { spawn, ChildProcess } from 'node:child_process';
+import { readFileSync } from 'node:fs';
 import net from 'node:net';
 import pg from 'pg';
 import { Redis } from 'ioredis';
 
 export const PG_ADMIN_URL = process.env.TEST_PG_ADMIN_URL ?? 'postgres://postgres@127.0.0.1:5432/postgres';
 export const REDIS_URL = process.env.TEST_REDIS_URL ?? 'redis://127.0.0.1:6379';
+
+/**
+ * How the built service is started in production: the arguments of `npm run start:prod` after `node`
+ * (its V8 flags, then the entry point), so the chaos suite and the bench run it the same way. Run
+ * from the project's root, as npm runs its scripts.
+ */
+export function serviceArgs(): string[] {
+  const pkg = JSON.parse(readFileSync('package.json', 'utf8')) as { scripts: Record<string, string> };
+  const [node, ...args] = pkg.scripts['start:prod'].split(/\s+/);
+  if (node !== 'node') throw new Error(`start:prod should start with "node": ${pkg.scripts['start:prod']}`);
+  return args;
+}
 
 export async function freePort(): Promise<number> {
   return new Promise((resolve, reject) => {

@@ -2,7 +2,10 @@
 --
 -- Key layout of a pool (every key carries the pool in a {hash tag}: one Redis Cluster slot a pool):
 --   <base>free           ZSET, score 0, member "<value>\0<id>": the free, unheld items (lex order = value prefix search)
---   <base>item           HASH id -> item JSON {"id","v" value,"n" version,"g" groupKey,"a" attributes}, for every unallocated item
+--   <base>item:<bucket>  HASH id -> item JSON {"id","v" value,"n" version,"g" groupKey,"a" attributes; "g" and "a"
+--                        left out when empty}, for every unallocated item. Bucket = the id without its last two
+--                        digits: at most 100 fields a hash, which Redis keeps as a compact listpack (about a third
+--                        of the memory of one big hash table)
 --   <base>fa:<k>\0<v>    SET of free members whose attribute k equals v
 --   <base>fg:<group>     SET of free members of a task group
 --   <base>h:<id>         STRING, the hold: reservation id (PX = its expiry), or "A:<version>" for a while after the
@@ -30,6 +33,25 @@ end
 -- True when a tombstone is older than this item version (the item was released since its allocation).
 local function tombstone_stale(holder, version)
   return is_tombstone(holder) and tonumber(string.sub(holder, 3)) < version
+end
+
+local function item_key(base, id)
+  local bucket = string.sub(id, 1, -3)
+  if bucket == '' then bucket = '0' end
+  return base .. 'item:' .. bucket
+end
+
+-- The cached JSON of an unallocated item, or false.
+local function item_get(base, id)
+  return redis.call('HGET', item_key(base, id), id)
+end
+
+local function item_set(base, id, json)
+  redis.call('HSET', item_key(base, id), id, json)
+end
+
+local function item_del(base, id)
+  redis.call('HDEL', item_key(base, id), id)
 end
 
 local function now_ms()
@@ -113,7 +135,7 @@ local function free_items(base, rid, items)
     local hkey = base .. 'h:' .. item.id
     local holder = redis.call('GET', hkey)
     if holder == rid then redis.call('DEL', hkey) end
-    if (holder == rid or not holder) and redis.call('HEXISTS', base .. 'item', item.id) == 1 then
+    if (holder == rid or not holder) and redis.call('HEXISTS', item_key(base, item.id), item.id) == 1 then
       n = n + index(base, item)
     end
   end

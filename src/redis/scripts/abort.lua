@@ -30,14 +30,18 @@ for _, item in ipairs(items) do
   local hkey = base .. 'h:' .. item.id
   local holder = redis.call('GET', hkey)
   if allocated[item.id] then
-    local cached = redis.call('HGET', base .. 'item', item.id)
-    if not (cached and cjson.decode(cached).n > tonumber(allocated[item.id])) then
+    local cached = item_get(base, item.id)
+    cached = cached and cjson.decode(cached)
+    if cached and cached.n > tonumber(allocated[item.id]) then
+      -- The cache is newer than the allocation Postgres showed: released since, free at that version.
+      free_items(base, rid, { cached })
+    else
       if holder == rid or not holder then redis.call('SET', hkey, tombstone(allocated[item.id]), 'PX', tombstone_ms) end
-      redis.call('HDEL', base .. 'item', item.id)
+      item_del(base, item.id)
       unindex(base, item)
     end
   elseif fresh[item.id] then
-    redis.call('HSET', base .. 'item', item.id, fresh[item.id].json)
+    item_set(base, item.id, fresh[item.id].json)
     back[#back + 1] = fresh[item.id].item
   else
     back[#back + 1] = item
@@ -46,13 +50,16 @@ end
 
 local expires = tonumber(f[5])
 if expires > now and next(allocated) == nil and next(fresh) == nil then
-  -- Nothing changed under it and the hold is still due: held again, owner may retry the confirm.
+  -- Nothing changed under it and the hold is still due: held again, owner may retry the confirm. Its
+  -- holds last until the sweeper settles it at expiry (it has an epoch), like pinned ones.
+  local keep = tonumber(redis.call('PTTL', rkey))
+  if keep <= 0 then keep = expires - now end
   for _, item in ipairs(items) do
     local hkey = base .. 'h:' .. item.id
     local holder = redis.call('GET', hkey)
     if holder == rid or not holder then
       unindex(base, item)
-      redis.call('SET', hkey, rid, 'PX', expires - now)
+      redis.call('SET', hkey, rid, 'PX', math.max(keep, expires - now))
     end
   end
   -- 'ep' stays: at expiry the sweeper asks Postgres again, which already says 'abort' for this epoch.

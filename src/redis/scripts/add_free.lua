@@ -1,14 +1,18 @@
 -- add_free: puts items that are free in Postgres into the free index: new imports, released allocations,
 -- and the rebuild of a wiped or drifted Redis from Postgres.
--- An item under a live hold is skipped; an allocation tombstone is dropped only when the item's version
--- is newer than the allocation's (it was released since), so a page read before a commit re-adds nothing.
--- An existing generation key is raised to the generation the caller read Postgres in; a missing one (Redis
--- wiped) is left for the rebuild to write.
--- ARGV: 1 base, 2 Redis generation, 3.. item JSON ({"id","v","n","g","a"})
+-- An item under a live hold is cached but not indexed; an allocation tombstone is dropped only when the
+-- item's version is newer than the allocation's (it was released since), so a page read before a commit
+-- re-adds nothing.
+-- Generation fence: tombstones do not survive a wipe, so a page read before a wipe may hold items allocated
+-- since. Nothing is added to a pool without a generation key (wiped, not rebuilt yet: the rebuild writes the
+-- key, then reads Postgres again) nor to one whose generation is newer than the caller's read. An older
+-- key is raised to the caller's generation.
+-- ARGV: 1 base, 2 Redis generation the caller read Postgres in, 3.. item JSON ({"id","v","n","g","a"})
 -- Returns: number of items that were not in the free index before
 local base, generation = ARGV[1], tonumber(ARGV[2])
 local current = redis.call('GET', base .. 'gen')
-if current and tonumber(current) < generation then redis.call('SET', base .. 'gen', generation) end
+if not current or tonumber(current) > generation then return 0 end
+if tonumber(current) < generation then redis.call('SET', base .. 'gen', generation) end
 local added = 0
 for i = 3, #ARGV do
   local json = ARGV[i]
@@ -19,11 +23,13 @@ for i = 3, #ARGV do
     redis.call('DEL', hkey)
     holder = false
   end
-  if not holder then
-    local cached = redis.call('HGET', base .. 'item', item.id)
+  -- Not allocated: cache the item (unless the cache is newer); index it only if nobody holds it. An item
+  -- under a live hold needs its cache entry when the hold ends, to go back into the index then.
+  if not is_tombstone(holder) then
+    local cached = item_get(base, item.id)
     if not cached or cjson.decode(cached).n <= item.n then
-      redis.call('HSET', base .. 'item', item.id, json)
-      added = added + index(base, item)
+      item_set(base, item.id, json)
+      if not holder then added = added + index(base, item) end
     end
   end
 end

@@ -3,15 +3,17 @@
 -- Returns: {"extended", ...reservation} | {"expired"} | {"closed"} | {"missing"}
 local base, rid, ttl, retention = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
 local rkey = base .. 'r:' .. rid
-local f = redis.call('HMGET', rkey, 's', 'e', 'i')
+local f = redis.call('HMGET', rkey, 's', 'e', 'i', 'ep')
 local now = now_ms()
 if not f[1] then return { 'missing' } end
 if f[1] == 'expired' or (f[1] == 'held' and tonumber(f[2]) <= now) then return { 'expired' } end
 if f[1] ~= 'held' then return { 'closed' } end
+local pinned = f[4] ~= false
 for _, item in ipairs(decode_items(f[3])) do
   local hkey = base .. 'h:' .. item.id
   if redis.call('GET', hkey) ~= rid then return { 'expired' } end
-  redis.call('PEXPIRE', hkey, ttl)
+  -- Holds of a reservation that started a commit last until the sweeper settles it: never shortened.
+  if not pinned or tonumber(redis.call('PTTL', hkey)) < ttl then redis.call('PEXPIRE', hkey, ttl) end
 end
 redis.call('HSET', rkey, 'e', now + ttl)
 redis.call('ZADD', base .. 'exp', now + ttl, rid)

@@ -7,19 +7,24 @@
 -- Returns: number of items returned to the free index
 local base, rid, selection, outcome = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local tombstone_ms, retention = tonumber(ARGV[5]), tonumber(ARGV[6])
-local chosen = {}
+local chosen, free_again = {}, {}
 for i = 7, #ARGV, 2 do
   local m, version = ARGV[i], tonumber(ARGV[i + 1])
   local id = id_of(m)
   chosen[id] = true
-  local cached = redis.call('HGET', base .. 'item', id)
-  -- A cache entry at this version or newer means the item was released since (a late, repeated finish).
-  if not (cached and cjson.decode(cached).n >= version) then
+  local cached = item_get(base, id)
+  cached = cached and cjson.decode(cached)
+  if cached and cached.n >= version then
+    -- A cache entry at this version or newer: the item was released since (a late finish, by the sweeper
+    -- after the owner had already released it). It is free at that version; our pinned hold must go.
+    free_items(base, rid, { cached })
+    free_again[id] = true
+  else
     local hkey = base .. 'h:' .. id
     local holder = redis.call('GET', hkey)
     -- Never overwrite someone else's live hold; Postgres has the truth.
     if not holder or holder == rid or is_tombstone(holder) then redis.call('SET', hkey, tombstone(version), 'PX', tombstone_ms) end
-    redis.call('HDEL', base .. 'item', id)
+    item_del(base, id)
     redis.call('ZREM', base .. 'free', m)
   end
 end
@@ -32,7 +37,11 @@ if state then
   local items = decode_items(redis.call('HGET', rkey, 'i'))
   local rest = {}
   for _, item in ipairs(items) do
-    if chosen[item.id] then unindex(base, item) else rest[#rest + 1] = item end
+    if not chosen[item.id] then
+      rest[#rest + 1] = item
+    elseif not free_again[item.id] then
+      unindex(base, item)
+    end
   end
   if state ~= 'confirmed' then
     uncount(base, rkey, owner, kind, items)

@@ -1,5 +1,6 @@
 -- pin: first step of confirm/complete. Checks that every selected item is still this reservation's
--- (re-taking, after expiry, an item nobody else took) and pins those holds for the commit window.
+-- (re-taking, after expiry, an item nobody else took) and pins those holds until the commit is decided;
+-- the sweeper looks at the reservation again when the commit window ends.
 -- A pin from any state but "confirming" starts a new commit epoch; Postgres records who ended each epoch
 -- (the commit, or the sweeper's abort), so the two can never both happen.
 -- ARGV: 1 base, 2 rid, 3 commit window ms, 4 selection (resource ids, comma separated, sorted)
@@ -28,19 +29,22 @@ for _, item in ipairs(selected) do
   if holder and holder ~= rid then return { 'lost', item.id } end
 end
 
-for _, item in ipairs(selected) do
-  local hkey = base .. 'h:' .. item.id
-  if redis.call('GET', hkey) == rid then
-    if redis.call('PTTL', hkey) < window then redis.call('PEXPIRE', hkey, window) end
-  else
-    -- The hold expired. Nobody else holds the item: take it back (out of the free index if the
-    -- sweeper already returned it); the version check in Postgres decides whether it is still ours.
-    unindex(base, item)
-    redis.call('SET', hkey, rid, 'PX', window)
-  end
-end
 if state ~= 'confirming' then redis.call('HINCRBY', rkey, 'ep', 1) end
 redis.call('HSET', rkey, 's', 'confirming', 'sel', selection)
 redis.call('ZADD', base .. 'exp', now + window, rid)
 redis.call('PEXPIRE', rkey, window + tonumber(redis.call('PTTL', rkey)))
+-- From now on Postgres may commit these items at any moment, until the epoch is decided. Their holds
+-- therefore last as long as the reservation record: they end when the decision is applied (finish, or
+-- abort), never on their own; an item unheld while its commit is undecided could be put back in the
+-- free index by a rebuild page read before the commit.
+local keep = tonumber(redis.call('PTTL', rkey))
+for _, item in ipairs(selected) do
+  local hkey = base .. 'h:' .. item.id
+  if redis.call('GET', hkey) ~= rid then
+    -- The hold expired. Nobody else holds the item: take it back (out of the free index if the
+    -- sweeper already returned it); the version check in Postgres decides whether it is still ours.
+    unindex(base, item)
+  end
+  redis.call('SET', hkey, rid, 'PX', keep)
+end
 return reservation_reply('pinned', rid, rkey, now)

@@ -1,14 +1,19 @@
 -- release: DELETE /v1/reservations/{id} and task abandon. Returns the reservation's held items to the
 -- free index at once. Idempotent.
--- ARGV: 1 base, 2 rid, 3 retention ms
--- Returns: {"released", ...reservation} | {"confirmed", ...reservation} | {"busy"} (a confirm is committing) | {"missing"}
-local base, rid, retention = ARGV[1], ARGV[2], tonumber(ARGV[3])
+-- A reservation that once started a commit (it has an epoch) is released only once Postgres has
+-- recorded that epoch as given up (ARGV 4 = the epoch so decided): its commit may have landed unseen.
+-- ARGV: 1 base, 2 rid, 3 retention ms, 4 epoch decided 'abort' in Postgres ("" = none)
+-- Returns: {"released", ...reservation} | {"confirmed", ...reservation} | {"busy"} (a confirm is committing)
+--          | {"undecided", epoch} | {"missing"}
+local base, rid, retention, decided = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
 local rkey = base .. 'r:' .. rid
 local state = redis.call('HGET', rkey, 's')
 local now = now_ms()
 if not state then return { 'missing' } end
 if state == 'confirmed' then return reservation_reply('confirmed', rid, rkey, now) end
 if state == 'confirming' then return { 'busy' } end
+local epoch = redis.call('HGET', rkey, 'ep')
+if state == 'held' and epoch and epoch ~= decided then return { 'undecided', epoch } end
 if state ~= 'released' then
   local items = decode_items(redis.call('HGET', rkey, 'i'))
   if state == 'held' then

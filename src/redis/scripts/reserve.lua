@@ -42,7 +42,7 @@ local function consider(m, source)
   if seen[m] or #chosen >= count then return end
   seen[m] = true
   local id = id_of(m)
-  local json = redis.call('HGET', base .. 'item', id)
+  local json = item_get(base, id)
   if not json or redis.call('EXISTS', base .. 'h:' .. id) == 1 then
     -- An index entry without a free item behind it: drop it.
     redis.call('ZREM', free, m)

@@ -1,0 +1,87 @@
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { PoolRepository } from '../../src/database/pool.repository.js';
+import { GenerationRepository } from '../../src/database/generation.repository.js';
+import { ResourceRepository } from '../../src/database/resource.repository.js';
+import { toCachedItem } from '../../src/pools/pools.service.js';
+import { HoldStore } from '../../src/redis/hold-store.repository.js';
+import { CommitService } from '../../src/reservations/commit.service.js';
+import { TestInstance, TestWorld, numbers, seedPool, sleep, stalledConfirm } from '../support/harness.js';
+
+// Invariants 1 and 3 when a commit landed in Postgres but its caller never saw the answer (the instance
+// died after the commit, or the connection dropped): its items stay out of the pool until Postgres'
+// decision is applied. A slow sweeper (10 s) leaves the tests the gap in which things used to go wrong.
+describe('commits whose outcome the caller never saw', () => {
+  const world = new TestWorld('undecided');
+  let api: TestInstance;
+
+  beforeAll(async () => {
+    api = await world.start({ SWEEP_INTERVAL_MS: '10000', RECONCILE_INTERVAL_MS: '0' });
+  });
+  afterAll(() => world.cleanup());
+
+  it('an item committed by an instance that died before finishing is not put back by a rebuild page read before the commit', async () => {
+    await seedPool(api, 'died', numbers(1));
+    const r = await api.post('/v1/pools/died/reservations', { owner: 'buyer', count: 1, ttlMs: 1000 });
+    const id = r.body.items[0].resourceId;
+    // Confirmed close to its expiry: the commit window (1.2 s) outlasts the hold's own time.
+    const confirm = await stalledConfirm(api, 'died', r.body.id, id, 1200);
+    // A rebuild reads its page now: the item is free in Postgres.
+    const pool = await api.app.get(PoolRepository).findByName('died');
+    const page = await api.app.get(ResourceRepository).freePage(pool!.id, '0', 100);
+    const generation = await api.app.get(GenerationRepository).current();
+    // The commit lands; the instance that made it dies before its Redis step. The commit window passes
+    // (the sweeper, every 10 s here, has not looked at it yet).
+    expect(await confirm.land()).toBe('committed');
+    await sleep(1500);
+    // The page is written late: the pinned hold must still be there to keep the item out.
+    expect(await api.app.get(HoldStore).addFree('died', generation, page.map(toCachedItem))).toBe(0);
+    const again = await api.post('/v1/pools/died/reservations', { owner: 'next', count: 1 });
+    expect(again.body.error?.code).toBe('POOL_EXHAUSTED');
+  });
+
+  it('a reservation released after a confirm whose commit landed unseen is confirmed, not released', async () => {
+    await seedPool(api, 'unseen', numbers(2));
+    const r = await api.post('/v1/pools/unseen/reservations', { owner: 'buyer', count: 2 });
+    const [chosen, other] = r.body.items.map((i: { resourceId: string }) => i.resourceId);
+    const confirm = await stalledConfirm(api, 'unseen', r.body.id, chosen, 200);
+    expect(await confirm.land()).toBe('committed');
+    // The confirm's caller saw an error (a timeout), so the reservation was un-pinned: held again.
+    expect(await api.app.get(HoldStore).unpin('unseen', r.body.id, confirm.pinned.reservation.epoch)).toBe(true);
+    const released = await api.del(`/v1/reservations/${r.body.id}`);
+    expect(released.status).toBe(409);
+    expect(released.body.error.code).toBe('RESERVATION_CLOSED');
+    // Only the unchosen item is free again; the committed one never comes back.
+    const next = await api.post('/v1/pools/unseen/reservations', { owner: 'next', count: 1 });
+    expect(next.body.items[0].resourceId).toBe(other);
+    expect((await api.post('/v1/pools/unseen/reservations', { owner: 'next', count: 1 })).body.error.code).toBe('POOL_EXHAUSTED');
+    expect(await world.query(`SELECT state, owner FROM t_resource WHERE id = $1`, [chosen])).toEqual([{ state: 2, owner: 'buyer' }]);
+  });
+
+  it('a reservation released after a confirm that never reached Postgres is released, and that commit can no longer land', async () => {
+    await seedPool(api, 'never', numbers(1));
+    const r = await api.post('/v1/pools/never/reservations', { owner: 'buyer', count: 1 });
+    const id = r.body.items[0].resourceId;
+    const confirm = await stalledConfirm(api, 'never', r.body.id, id, 200);
+    expect(await api.app.get(HoldStore).unpin('never', r.body.id, confirm.pinned.reservation.epoch)).toBe(true);
+    expect((await api.del(`/v1/reservations/${r.body.id}`)).status).toBe(200);
+    // The lost commit arrives after the release: its epoch was given up.
+    expect(await confirm.land()).toBe('decided');
+    expect((await api.post('/v1/pools/never/reservations', { owner: 'next', count: 1 })).status).toBe(201);
+    expect(await world.query(`SELECT state FROM t_resource WHERE id = $1`, [id])).toEqual([{ state: 1 }]);
+  });
+
+  it('an item whose owner released it before a sweeper finished its commit goes back to the pool', async () => {
+    await seedPool(api, 'released-first', numbers(1));
+    const r = await api.post('/v1/pools/released-first/reservations', { owner: 'buyer', count: 1 });
+    const id = r.body.items[0].resourceId;
+    // The commit lands; its Redis step is lost (Redis failed just then); the buyer was answered 200 and
+    // releases the number before any sweeper has finished the commit.
+    const confirm = await stalledConfirm(api, 'released-first', r.body.id, id, 200);
+    expect(await confirm.land()).toBe('committed');
+    expect((await api.post(`/v1/pools/released-first/resources/${id}/release`, { owner: 'buyer' })).status).toBe(200);
+    const pool = await api.app.get(PoolRepository).findByName('released-first');
+    expect(await api.app.get(CommitService).recoverStalled(pool!, r.body.id)).toBe('finished');
+    const again = await api.post('/v1/pools/released-first/reservations', { owner: 'next', count: 1 });
+    expect(again.body.items?.[0]?.resourceId).toBe(id);
+  });
+});
