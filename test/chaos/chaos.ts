@@ -10,6 +10,7 @@ import { Redis } from 'ioredis';
 import { mkdtempSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
+import { poolKeys } from '../../src/redis/keys.js';
 import { OwnRedis, TcpProxy, freePort } from '../support/services.js';
 import { FaultWindow, HoldSampler, check } from './checker.js';
 import { Traffic, buyer, reviewer } from './clients.js';
@@ -64,7 +65,7 @@ async function main(): Promise<number> {
     DATABASE_URL: pg.url,
     REDIS_URL: `redis://127.0.0.1:${proxy.port}`,
     REDIS_KEY_PREFIX: PREFIX,
-    LOG_LEVEL: 'warn',
+    LOG_LEVEL: 'info',
     LOG_REQUESTS: 'false',
     DB_TIMEOUT_MS: '2000',
     REDIS_TIMEOUT_MS: '1000',
@@ -165,7 +166,7 @@ async function main(): Promise<number> {
     // Give back every hold still open, then the whole pool must be reservable within 5 s.
     const stopAt = Date.now();
     await releaseOpenHolds(traffic, a);
-    const flow = await wholePoolReservable(a, pg.url);
+    const flow = await wholePoolReservable(a, pg.url, direct, traffic);
     const flowMs = Date.now() - stopAt;
     say(`whole pool reservable again ${flowMs} ms after the load stopped (${flow.numbers} numbers, ${flow.tasks} tasks free)`);
 
@@ -281,18 +282,26 @@ async function pauseScenario(a: Instance, b: Instance, c: Instance, databaseUrl:
 /** Deletes every reservation and abandons every lease the clients left open. */
 async function releaseOpenHolds(t: Traffic, at: Instance): Promise<void> {
   const closed = new Set<string>();
-  const opened: { id: string; lease: boolean }[] = [];
+  const opened = new Map<string, { id: string; lease: boolean; expiresAt: number }>();
   for (const e of t.log) {
-    if (e.op === 'reserve' && e.status === 201) opened.push({ id: e.answer.id, lease: false });
-    if (e.op === 'pull' && e.status === 200) opened.push({ id: e.answer.leaseId, lease: true });
+    if (e.op === 'reserve' && e.status === 201)
+      opened.set(e.answer.id, { id: e.answer.id, lease: false, expiresAt: Date.parse(e.answer.expiresAt) });
+    if (e.op === 'pull' && e.status === 200)
+      opened.set(e.answer.leaseId, { id: e.answer.leaseId, lease: true, expiresAt: Date.parse(e.answer.expiresAt) });
+    if (e.op === 'heartbeat' && e.status === 200) {
+      const lease = opened.get(e.path.split('/')[3]);
+      if (lease) lease.expiresAt = Date.parse(e.answer.expiresAt);
+    }
     if (['confirm', 'release'].includes(e.op) && e.status === 200) closed.add(e.path.split('/')[3]);
     if (['complete', 'abandon'].includes(e.op) && e.status === 200) closed.add(e.path.split('/')[3]);
   }
-  const open = opened.filter((o) => !closed.has(o.id));
-  for (let i = 0; i < open.length; i += 50) {
+  // Holds already past their expiry need nothing from their owner: the sweeper returns them.
+  const now = Date.now();
+  const open = [...opened.values()].filter((o) => !closed.has(o.id) && o.expiresAt > now);
+  for (let i = 0; i < open.length; i += 200) {
     await Promise.all(
       open
-        .slice(i, i + 50)
+        .slice(i, i + 200)
         .map((o) =>
           (o.lease ? api(at, 'POST', `/v1/tasks/${o.id}/abandon`) : api(at, 'DELETE', `/v1/reservations/${o.id}`)).catch(() => undefined),
         ),
@@ -301,7 +310,7 @@ async function releaseOpenHolds(t: Traffic, at: Instance): Promise<void> {
 }
 
 /** Waits until every unallocated item is free, then takes them all: none may be allocated already. */
-async function wholePoolReservable(at: Instance, databaseUrl: string) {
+async function wholePoolReservable(at: Instance, databaseUrl: string, redis: Redis, traffic: Traffic) {
   const violations: string[] = [];
   const result = { numbers: 0, tasks: 0, violations };
   const deadline = Date.now() + 15_000;
@@ -321,6 +330,7 @@ async function wholePoolReservable(at: Instance, databaseUrl: string) {
   await sql.connect();
   try {
     const allocated = new Set((await sql.query(`SELECT id::text FROM t_resource WHERE state = 2`)).rows.map((r) => r.id));
+    const taken = new Set<string>();
     for (;;) {
       const r = await api(at, 'POST', '/v1/pools/numbers/reservations', { owner: 'final-sweep', count: 100 });
       if (r.status !== 201) {
@@ -328,15 +338,40 @@ async function wholePoolReservable(at: Instance, databaseUrl: string) {
         if (single.status !== 201) break;
         r.body = single.body;
       }
-      for (const item of r.body.items)
+      for (const item of r.body.items) {
         if (allocated.has(item.resourceId)) violations.push(`allocated item ${item.resourceId} was reservable`);
+        taken.add(item.resourceId);
+      }
       result.numbers += r.body.items.length;
     }
     for (;;) {
       const r = await api(at, 'POST', '/v1/pools/reviews/tasks/next', { reviewer: 'final-sweep' });
       if (r.status !== 200) break;
       if (allocated.has(r.body.resourceId)) violations.push(`allocated task ${r.body.resourceId} was leased`);
+      taken.add(r.body.resourceId);
       result.tasks++;
+    }
+    // Free in Postgres but never handed out: say what Redis holds about each (a few), to find out why.
+    const stuck = (
+      await sql.query<{ id: string; pool: string; version: number }>(
+        `SELECT r.id::text AS id, p.name AS pool, r.version FROM t_resource r JOIN t_pool p ON p.id = r.pool_id WHERE r.state = 1 AND p.name <> 'pause'`,
+      )
+    ).rows.filter((row) => !taken.has(row.id));
+    for (const row of stuck.slice(0, 5)) {
+      const keys = poolKeys(PREFIX, row.pool);
+      const holder = await redis.get(keys.hold(row.id)).catch(() => '?');
+      const ttl = await redis.pttl(keys.hold(row.id)).catch(() => -3);
+      const cached = await redis.hget(keys.itemBucket(row.id), row.id).catch(() => '?');
+      const reservation = holder && !holder.startsWith('A:') ? await redis.hgetall(keys.reservation(holder)).catch(() => ({})) : {};
+      const fields = Object.fromEntries(Object.entries(reservation as Record<string, string>).filter(([k]) => k !== 'i' && k !== 'x'));
+      const requests = holder
+        ? traffic.log
+            .filter((e) => e.path.includes(holder.split('.')[1] ?? holder) || (e.op === 'reserve' && e.answer?.id === holder))
+            .map((e) => `${e.op} on ${e.instance} ${new Date(e.sentAt).toISOString().slice(11, 23)} -> ${e.status}`)
+        : [];
+      violations.push(
+        `stuck item ${row.pool}/${row.id} v${row.version}: hold ${holder} (${ttl} ms), cache ${cached}, reservation ${JSON.stringify(fields)}, requests: ${requests.join('; ')}`,
+      );
     }
     const free = (
       await sql.query(

@@ -58,6 +58,8 @@ function inWindow(e: Exchange, windows: FaultWindow[]): FaultWindow | undefined 
 /** Checks every client's log and Postgres' history against the invariants. */
 export async function check(log: Exchange[], windows: FaultWindow[], databaseUrl: string): Promise<Verdict> {
   const violations: string[] = [];
+  /** Items of holds that were not honoured: their whole story is printed to find out why. */
+  const lostItems = new Set<string>();
   const counts: Record<string, number> = { requests: log.length, ok: 0, '503': 0, network: 0, hung: 0, '500': 0, excused: 0 };
   for (const e of log) {
     if (e.status >= 200 && e.status < 300) counts.ok++;
@@ -83,10 +85,13 @@ export async function check(log: Exchange[], windows: FaultWindow[], databaseUrl
       const redisLost = windows.some((w) => w.losesRedis && w.start >= (e.reservationCreatedAt ?? 0) && w.start <= e.doneAt);
       const instancePaused = windows.some((w) => w.instance === e.instance && e.sentAt <= w.end && e.doneAt >= w.start);
       if (dependencyDown || redisLost || instancePaused) counts.excused++;
-      else
+      else {
         violations.push(
           `hold not honoured: ${e.op} ${e.path} sent at ${new Date(e.sentAt).toISOString()}, ${e.expiresAt - e.sentAt} ms before expiry, reserved at ${new Date(e.reservationCreatedAt ?? 0).toISOString()}, on ${e.instance}: ${e.status} ${JSON.stringify(e.answer)}`,
         );
+        for (const id of (e.answer as { error?: { details?: { resourceIds?: string[] } } })?.error?.details?.resourceIds ?? [])
+          lostItems.add(id);
+      }
     }
   }
 
@@ -98,6 +103,25 @@ export async function check(log: Exchange[], windows: FaultWindow[], databaseUrl
       `SELECT resource_id::text, action, version, reservation_id FROM t_allocation_history ORDER BY resource_id, id`,
     );
     counts.allocations = history.rows.filter((h) => h.action === 'allocate').length;
+    for (const id of lostItems) {
+      const rows = await sql.query<{ action: string; version: number; reservation_id: string | null; at: Date }>(
+        `SELECT action, version, reservation_id, created_at AS at FROM t_allocation_history WHERE resource_id = $1 ORDER BY id`,
+        [id],
+      );
+      const story = rows.rows.map((h) => {
+        const requests = log
+          .filter((r) => h.reservation_id && r.path.includes(h.reservation_id.split('.')[1] ?? h.reservation_id))
+          .map(
+            (r) =>
+              `${r.op} on ${r.instance} ${new Date(r.sentAt).toISOString().slice(11, 23)}-${new Date(r.doneAt).toISOString().slice(11, 23)} -> ${r.status}`,
+          );
+        return `  ${h.action} v${h.version} ${h.at.toISOString().slice(11, 23)} by ${h.reservation_id}: ${requests.join('; ')}`;
+      });
+      const reserves = log
+        .filter((r) => r.op === 'reserve' && r.status === 201 && JSON.stringify(r.answer).includes(`"resourceId":"${id}"`))
+        .map((r) => `${(r.answer as { id: string }).id} on ${r.instance} at ${new Date(r.sentAt).toISOString().slice(11, 23)}`);
+      violations.push(`story of item ${id}:\n${story.join('\n')}\n  reserved by: ${reserves.join(', ')}`);
+    }
     let previous: (typeof history.rows)[number] | undefined;
     for (const h of history.rows) {
       const first = !previous || previous.resource_id !== h.resource_id;

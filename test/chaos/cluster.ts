@@ -2,7 +2,7 @@ import { ChildProcess, execFileSync, spawn } from 'node:child_process';
 import { chownSync, mkdtempSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
-import { freePort } from '../support/services.js';
+import { freePort, serviceArgs } from '../support/services.js';
 
 const PG_BIN = '/usr/lib/postgresql/15/bin';
 const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));
@@ -64,7 +64,7 @@ export class ChaosPostgres {
   }
 }
 
-/** One respool instance as a separate process (the built service, `node dist/src/main.js`). */
+/** One respool instance as a separate process (the built service, started as `npm run start:prod` does). */
 export class Instance {
   private child: ChildProcess | undefined;
   state: 'up' | 'paused' | 'down' = 'down';
@@ -83,7 +83,7 @@ export class Instance {
   async start(): Promise<void> {
     const { openSync } = await import('node:fs');
     const out = openSync(this.logFile, 'a');
-    this.child = spawn(process.execPath, ['dist/src/main.js'], {
+    this.child = spawn(process.execPath, serviceArgs(), {
       env: { ...process.env, ...this.env, PORT: String(this.port), HOST: '127.0.0.1' },
       stdio: ['ignore', out, out],
     });
