@@ -2,7 +2,7 @@
  * respool benchmark: one command, everything measured in one run on this machine, as ratios against
  * baselines measured in the same run. Writes docs/benchmarks.md and docs/benchmarks.svg.
  *
- *   npm run bench            # about 6 minutes
+ *   npm run bench            # about 8 minutes
  *   npm run bench -- --quick # shorter runs, for trying the script out
  */
 import { ChildProcess, spawn } from 'node:child_process';
@@ -11,7 +11,8 @@ import os from 'node:os';
 import pg from 'pg';
 import PgBoss from 'pg-boss';
 import { Redis } from 'ioredis';
-import { freePort } from '../test/support/services.js';
+import { deleteKeys, freePort, serviceArgs } from '../test/support/services.js';
+import { poolKeys } from '../src/redis/keys.js';
 import { LoadResult, client, median, runLoad } from './load.js';
 
 const QUICK = process.argv.includes('--quick');
@@ -70,7 +71,7 @@ async function main(): Promise<void> {
   try {
     // respool itself.
     const port = await freePort();
-    const service = startProcess(['dist/src/main.js'], {
+    const service = startProcess(serviceArgs(), {
       PORT: String(port),
       HOST: '127.0.0.1',
       DATABASE_URL: DB_URL,
@@ -108,11 +109,11 @@ async function main(): Promise<void> {
     const ceilingBase = `${PREFIX}{ceiling}:`;
     await redis.set(`${ceilingBase}gen`, '0'); // reserve needs the pool's Redis generation
     for (let i = 0; i < 100_000; i += 500) {
-      const batch = Array.from({ length: 500 }, (_, j) => JSON.stringify({ id: String(i + j + 1), v: `c${i + j}`, n: 0, g: null, a: {} }));
+      const batch = Array.from({ length: 500 }, (_, j) => JSON.stringify({ id: String(i + j + 1), v: `c${i + j}`, n: 0 }));
       const multi = redis.multi();
       for (const json of batch) {
-        const item = JSON.parse(json);
-        multi.hset(`${ceilingBase}item`, item.id, json).zadd(`${ceilingBase}free`, 0, `${item.v}\0${item.id}`);
+        const item = JSON.parse(json) as { id: string; v: string };
+        multi.hset(poolKeys(PREFIX, 'ceiling').itemBucket(item.id), item.id, json).zadd(`${ceilingBase}free`, 0, `${item.v}\0${item.id}`);
       }
       await multi.exec();
     }
@@ -151,9 +152,36 @@ async function main(): Promise<void> {
     );
     chart.push({ label: 'ceiling: Fastify + EVALSHA', value: ceiling.rps }, { label: 'respool reserve(3)', value: reserve.rps });
 
-    // Confirm 1 of 3 (the rest released); each operation is reserve + confirm, so confirms/s = operations/s.
-    await createPool('confirm', 'number', 100_000);
-    const confirm = await repeat('respool reserve(3) + confirm(1)', () =>
+    // Confirm 1 of 3 (the rest released). "confirm": POST /confirm on reservations of 3 made just before
+    // the timed run (the buyer already holds them); "cycle": reserve 3 then confirm 1, both timed.
+    await createPool('confirm', 'number', 200_000);
+    const confirmOnly = await repeat('respool confirm(1 of 3), reservations made before', async () => {
+      const ready: { id: string; item: string }[] = [];
+      const target = QUICK ? 15_000 : 40_000;
+      await Promise.all(
+        Array.from({ length: CONNECTIONS }, async () => {
+          while (ready.length < target) {
+            const r = await call('POST', '/v1/pools/confirm/reservations', { owner: 'buyer', count: 3, ttlMs: 600_000 });
+            if (r.status !== 201) throw new Error(`reserve for the confirm run: ${r.status}`);
+            ready.push({ id: r.body.id, item: r.body.items[0].resourceId });
+          }
+        }),
+      );
+      const result = await runLoad(CONNECTIONS, RUN_MS, async () => {
+        const r = ready.pop();
+        if (!r) {
+          await sleep(1); // never spin without yielding: the timer that ends the run must get its turn
+          return 'ran dry';
+        }
+        return String((await call('POST', `/v1/reservations/${r.id}/confirm`, { resourceIds: [r.item] })).status);
+      });
+      // Give back what the run did not use, so the next run starts from the same pool.
+      for (let i = 0; i < ready.length; i += CONNECTIONS)
+        await Promise.all(ready.slice(i, i + CONNECTIONS).map((r) => call('DELETE', `/v1/reservations/${r.id}`)));
+      if (result.byStatus['ran dry']) throw new Error('the confirm run used up its reservations; make more');
+      return result;
+    });
+    const confirm = await repeat('respool cycle: reserve(3) + confirm(1)', () =>
       runLoad(CONNECTIONS, RUN_MS, async () => {
         const r = await call('POST', '/v1/pools/confirm/reservations', { owner: 'buyer', count: 3, ttlMs: 60_000 });
         if (r.status !== 201) return `reserve ${r.status}`;
@@ -177,7 +205,8 @@ async function main(): Promise<void> {
     const classic = await repeat('classic: random free row + version-checked UPDATE', () =>
       runLoad(CONNECTIONS, RUN_MS, async () => String((await classicHttp.call('POST', '/allocate', {})).status)),
     );
-    const confirmsPerSec = confirm.rps * ((confirm.byStatus['200'] ?? 0) / confirm.ops);
+    const confirmsPerSec = confirmOnly.rps * ((confirmOnly.byStatus['200'] ?? 0) / confirmOnly.ops);
+    const cyclesPerSec = confirm.rps * ((confirm.byStatus['200'] ?? 0) / confirm.ops);
     record(
       'confirm (1 of 3, rest released), confirms/s',
       confirmsPerSec.toFixed(0),
@@ -186,7 +215,27 @@ async function main(): Promise<void> {
       '≥ 5,000/s and ≥ 2× classic',
       confirmsPerSec >= 5000 && confirmsPerSec >= 2 * classic.rps,
     );
-    chart.push({ label: 'respool reserve+confirm', value: confirmsPerSec }, { label: 'classic random row + UPDATE', value: classic.rps });
+    record(
+      'confirm p50 / p99, ms',
+      `${confirmOnly.p50.toFixed(2)} / ${confirmOnly.p99.toFixed(2)}`,
+      `classic ${classic.p50.toFixed(2)} / ${classic.p99.toFixed(2)}`,
+      '',
+      '',
+      null,
+    );
+    record(
+      'cycle: reserve 3 + confirm 1, per second',
+      cyclesPerSec.toFixed(0),
+      `classic ${classic.rps.toFixed(0)}`,
+      `${(cyclesPerSec / classic.rps).toFixed(2)}×`,
+      '',
+      null,
+    );
+    chart.push(
+      { label: 'respool confirm', value: confirmsPerSec },
+      { label: 'respool reserve+confirm', value: cyclesPerSec },
+      { label: 'classic random row + UPDATE', value: classic.rps },
+    );
 
     // Pull-next-task + complete pairs/s against pg-boss send/fetch/complete, same concurrency.
     await createPool('tasks', 'task', QUICK ? 30_000 : 120_000);
@@ -236,10 +285,10 @@ async function main(): Promise<void> {
     record("contention: losers' 409 p99, ms", (contention.latency['409']?.p99 ?? 0).toFixed(2), '', '', 'answered at once', null);
 
     // Growth: reserve latency with 1,000 / 100,000 / 1,000,000 items; import time; Redis bytes per free item.
-    const growth: { size: number; r: LoadResult }[] = [];
+    const sizes = QUICK ? [1000, 100_000] : [1000, 100_000, 1_000_000];
     let importSeconds = 0;
     let bytesPerItem = 0;
-    for (const size of QUICK ? [1000, 100_000] : [1000, 100_000, 1_000_000]) {
+    for (const size of sizes) {
       const name = `growth-${size}`;
       await call('POST', '/v1/pools', { name, kind: 'number', holdTtlMs: 1000 });
       await redis.call('MEMORY', 'PURGE').catch(() => undefined);
@@ -248,21 +297,39 @@ async function main(): Promise<void> {
       await importValues(name, size, '139');
       const seconds = (performance.now() - t0) / 1000;
       const after = Number(/used_memory:(\d+)/.exec(await redis.info('memory'))![1]);
-      if (size === 1_000_000 || (QUICK && size === 100_000)) {
+      if (size === sizes[sizes.length - 1]) {
         importSeconds = seconds;
         bytesPerItem = (after - before) / size;
       }
-      say(`${name}: imported in ${seconds.toFixed(1)} s, Redis +${((after - before) / size).toFixed(0)} bytes/item`);
-      // Few enough reserves that the pool never runs dry: 1 s holds, 1 item each.
-      growth.push({
-        size,
-        r: await repeat(`reserve(1) on ${size} items`, () =>
-          runLoad(Math.min(CONNECTIONS, size / 20), RUN_MS, async () =>
-            String((await call('POST', `/v1/pools/${name}/reservations`, { owner: 'g', count: 1, ttlMs: 1000 })).status),
-          ),
-        ),
-      });
+      say(`growth-${size}: imported in ${seconds.toFixed(1)} s, Redis +${((after - before) / size).toFixed(0)} bytes/item`);
     }
+    // Settle what the imports left to do (autovacuum, a checkpoint) before any size is measured, then
+    // take the sizes in turn, round after round, so background noise falls on all of them alike. The
+    // same load on every size: each loop reserves 1 (timed) and releases it at once (not timed), so even
+    // the smallest pool never runs dry.
+    await sql.query('VACUUM ANALYZE t_resource');
+    await sql.query('CHECKPOINT');
+    const rounds = new Map<number, LoadResult[]>(sizes.map((size) => [size, []]));
+    for (let round = 0; round < REPEAT; round++) {
+      for (const size of sizes) {
+        rounds.get(size)!.push(
+          await runLoad(CONNECTIONS, RUN_MS, async () => {
+            const t0 = performance.now();
+            const r = await call('POST', `/v1/pools/growth-${size}/reservations`, { owner: 'g', count: 1, ttlMs: 1000 });
+            const ms = performance.now() - t0;
+            if (r.status === 201) await call('DELETE', `/v1/reservations/${r.body.id}`);
+            return { label: String(r.status), ms };
+          }),
+        );
+      }
+    }
+    const growth = sizes.map((size) => {
+      const r = median(rounds.get(size)!);
+      say(
+        `reserve(1) on ${size} items: ${r.rps.toFixed(0)}/s p50 ${r.p50.toFixed(2)} ms p99 ${r.p99.toFixed(2)} ms ${JSON.stringify(r.byStatus)}`,
+      );
+      return { size, r };
+    });
     const small = growth[0].r;
     for (const g of growth) {
       const flat = g.r.p50 <= small.p50 * 1.1 + 0.05 && g.r.p99 <= small.p99 * 1.1 + 0.2;
@@ -287,13 +354,8 @@ async function main(): Promise<void> {
   } finally {
     for (const child of children) child.kill('SIGTERM');
     await sleep(500);
-    let cursor = '0';
-    do {
-      const [next, keys] = await redis.scan(cursor, 'MATCH', `${PREFIX}*`, 'COUNT', 5000);
-      cursor = next;
-      if (keys.length) await redis.unlink(...keys);
-    } while (cursor !== '0');
     redis.disconnect();
+    await deleteKeys(REDIS_URL, PREFIX);
     await admin.query(`DROP DATABASE IF EXISTS ${DB} WITH (FORCE)`);
     await admin.end();
   }
@@ -342,16 +404,19 @@ What is measured:
 - **ceiling**: a bare Fastify endpoint (\`bench/ceiling.ts\`) running the same single EVALSHA as respool's reserve
   (count 3), on its own 100,000-item pool;
 - **reserve**: \`POST /v1/pools/{pool}/reservations\` with count 3 and 1 s holds on a 100,000-item pool;
-- **confirm**: each operation reserves 3 and confirms 1 (the other two are released); the **classic** design
-  from DESIGN.md is a bare Fastify endpoint that picks a random free row and runs the version-checked UPDATE,
-  retrying on conflict, at the same concurrency;
+- **confirm**: \`POST /v1/reservations/{id}/confirm\` choosing 1 of 3 held items (the other two are released), on
+  reservations made just before the timed run; **cycle**: each operation reserves 3 and then confirms 1, both timed.
+  The **classic** design from DESIGN.md is a bare Fastify endpoint that picks a random free row and runs the
+  version-checked UPDATE, retrying on conflict, at the same concurrency;
 - **pull-next + complete** against **pg-boss** ${(JSON.parse(readFileSync('node_modules/pg-boss/package.json', 'utf8')) as { version: string }).version} \`fetch\` + \`complete\` (as a library, no HTTP) with the same
   concurrency, on the same Postgres;
 - **contention**: 1,000 concurrent clients reserving 1 of a 100-item pool (1 s holds);
-- **growth**: reserve latency on pools of 1,000 / 100,000 / 1,000,000 items (concurrency capped at size/20 so the
-  pool never runs dry); import time of the largest through the API; Redis \`used_memory\` growth per imported item;
-  peak RSS of the service process during the reserve runs.
-`,
+- **growth**: reserve(1) latency on pools of 1,000 / 100,000 / 1,000,000 items at the same 100 connections, each
+  reserve followed by an untimed release so no pool runs dry; all three are imported first (then \`VACUUM ANALYZE\`
+  and a checkpoint), and measured in turn, round after round; import time of the largest through the API; Redis
+  \`used_memory\` growth per imported item; peak RSS of the service process during the reserve runs.
+
+${readFileSync('bench/analysis.md', 'utf8')}`,
   );
 }
 

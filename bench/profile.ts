@@ -1,0 +1,153 @@
+/**
+ * CPU profile of the service under one scenario of the benchmark, to see where the time goes before
+ * changing anything. Starts respool with `node --cpu-prof`, drives the scenario, stops the service
+ * (the profile is written on exit) and prints self time by package and by function.
+ *
+ *   npm run bench:profile -- reserve|confirm|cycle|tasks [seconds]
+ *
+ * The .cpuprofile is left in /tmp/respool-profile-* (open it in Chrome DevTools for the flame chart).
+ */
+import { spawn } from 'node:child_process';
+import { mkdtempSync, readdirSync, readFileSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import pg from 'pg';
+import { deleteKeys, freePort, serviceArgs } from '../test/support/services.js';
+import { client, runLoad } from './load.js';
+
+const scenario = process.argv[2] ?? 'reserve';
+const seconds = Number(process.argv[3] ?? 10);
+const DB = 'respool_profile';
+const PREFIX = `profile${Date.now()}:`;
+
+interface ProfileNode {
+  id: number;
+  callFrame: { functionName: string; url: string; lineNumber: number };
+}
+
+/** Self time by package (or respool / node core) and by function, in per cent of the samples. */
+export function summarise(file: string, top = 30): string {
+  const profile = JSON.parse(readFileSync(file, 'utf8')) as { nodes: ProfileNode[]; samples: number[]; timeDeltas: number[] };
+  const byId = new Map(profile.nodes.map((n) => [n.id, n]));
+  const self = new Map<number, number>();
+  profile.samples.forEach((id, i) => self.set(id, (self.get(id) ?? 0) + (profile.timeDeltas[i] ?? 0)));
+  const total = [...self.values()].reduce((a, b) => a + b, 0);
+  const byFunction = new Map<string, number>();
+  const byPackage = new Map<string, number>();
+  for (const [id, t] of self) {
+    const { functionName, url, lineNumber } = byId.get(id)!.callFrame;
+    const path = url.replace(/^file:\/\//, '');
+    const fn = `${functionName || '(anonymous)'} ${path.split('/').slice(-2).join('/')}:${lineNumber + 1}`;
+    byFunction.set(fn, (byFunction.get(fn) ?? 0) + t);
+    const nm = path.split('node_modules/').pop()!;
+    const pkg = path.includes('node_modules/')
+      ? nm
+          .split('/')
+          .slice(0, nm.startsWith('@') ? 2 : 1)
+          .join('/')
+      : path.startsWith('node:')
+        ? 'node core'
+        : path.includes('/dist/')
+          ? 'respool'
+          : functionName || '(native)';
+    byPackage.set(pkg, (byPackage.get(pkg) ?? 0) + t);
+  }
+  const list = (m: Map<string, number>) =>
+    [...m]
+      .sort((a, b) => b[1] - a[1])
+      .slice(0, top)
+      .map(([k, t]) => `${((t / total) * 100).toFixed(1).padStart(5)} %  ${k}`)
+      .join('\n');
+  return `${(total / 1e6).toFixed(1)} s of samples\n--- self time by package\n${list(byPackage)}\n--- self time by function\n${list(byFunction)}`;
+}
+
+async function main(): Promise<void> {
+  const admin = new pg.Client({ connectionString: 'postgres://postgres@127.0.0.1:5432/postgres' });
+  await admin.connect();
+  await admin.query(`DROP DATABASE IF EXISTS ${DB} WITH (FORCE)`);
+  const dir = mkdtempSync(join(tmpdir(), 'respool-profile-'));
+  const port = await freePort();
+  const service = spawn(process.execPath, ['--cpu-prof', '--cpu-prof-dir', dir, ...serviceArgs()], {
+    env: {
+      ...process.env,
+      PORT: String(port),
+      HOST: '127.0.0.1',
+      DATABASE_URL: `postgres://postgres@127.0.0.1:5432/${DB}`,
+      REDIS_URL: 'redis://127.0.0.1:6379',
+      REDIS_KEY_PREFIX: PREFIX,
+      LOG_LEVEL: 'warn',
+      RECONCILE_INTERVAL_MS: '0',
+    },
+    stdio: ['ignore', 'ignore', 'inherit'],
+  });
+  const url = `http://127.0.0.1:${port}`;
+  for (let i = 0; ; i++) {
+    try {
+      await fetch(`${url}/health/live`);
+      break;
+    } catch {
+      if (i > 300) throw new Error('service did not start');
+      await new Promise((r) => setTimeout(r, 100));
+    }
+  }
+  const { call, close } = client(url, 100);
+  const kind = scenario === 'tasks' ? 'task' : 'number';
+  await call('POST', '/v1/pools', { name: 'p', kind, holdTtlMs: 1000, maxHoldTtlMs: 600_000 });
+  for (let i = 0; i < (scenario === 'confirm' ? 200_000 : 100_000); i += 10_000) {
+    const items = Array.from({ length: 10_000 }, (_, j) => ({ value: `p-${String(i + j).padStart(8, '0')}` }));
+    await call('POST', '/v1/pools/p/resources', { items });
+  }
+  const ops: Record<string, () => Promise<string>> = {
+    reserve: async () => String((await call('POST', '/v1/pools/p/reservations', { owner: 'o', count: 3, ttlMs: 1000 })).status),
+    confirm: async () => {
+      const r = ready.pop();
+      if (!r) return 'ran dry';
+      return String((await call('POST', `/v1/reservations/${r.id}/confirm`, { resourceIds: [r.item] })).status);
+    },
+    cycle: async () => {
+      const r = await call('POST', '/v1/pools/p/reservations', { owner: 'o', count: 3, ttlMs: 60_000 });
+      if (r.status !== 201) return `reserve ${r.status}`;
+      return String((await call('POST', `/v1/reservations/${r.body.id}/confirm`, { resourceIds: [r.body.items[0].resourceId] })).status);
+    },
+    tasks: async () => {
+      const lease = await call('POST', '/v1/pools/p/tasks/next', { reviewer: 'r' });
+      if (lease.status !== 200) return `pull ${lease.status}`;
+      return String((await call('POST', `/v1/tasks/${lease.body.leaseId}/complete`)).status);
+    },
+  };
+  // confirm: on reservations made before the profiled run, as the bench measures it.
+  const ready: { id: string; item: string }[] = [];
+  while (scenario === 'confirm' && ready.length < 30_000) {
+    await Promise.all(
+      Array.from({ length: 100 }, async () => {
+        const r = await call('POST', '/v1/pools/p/reservations', { owner: 'o', count: 3, ttlMs: 600_000 });
+        if (r.status === 201) ready.push({ id: r.body.id, item: r.body.items[0].resourceId });
+      }),
+    );
+  }
+  const result = await runLoad(100, seconds * 1000, ops[scenario]);
+  console.log(
+    `${scenario}: ${result.rps.toFixed(0)} ops/s, p50 ${result.p50.toFixed(2)} ms, p99 ${result.p99.toFixed(2)} ms ${JSON.stringify(result.byStatus)}`,
+  );
+  await close();
+  await new Promise<void>((resolve) => {
+    service.once('exit', () => resolve());
+    service.kill('SIGTERM');
+  });
+  const file = join(
+    dir,
+    readdirSync(dir).find((f) => f.endsWith('.cpuprofile'))!,
+  );
+  console.log(`profile: ${file}\n${summarise(file)}`);
+  await deleteKeys('redis://127.0.0.1:6379', PREFIX);
+  await admin.query(`DROP DATABASE IF EXISTS ${DB} WITH (FORCE)`);
+  await admin.end();
+}
+
+main().then(
+  () => process.exit(0),
+  (err: unknown) => {
+    console.error(err);
+    process.exit(1);
+  },
+);
