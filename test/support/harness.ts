@@ -91,7 +91,12 @@ export class TestWorld {
 
   /** Direct SQL against this world's database, to check outcomes independently of the API. */
   async query<T = any>(text: string, params: unknown[] = []): Promise<T[]> {
-    this.sql ??= new pg.Pool({ connectionString: databaseUrl(this.dbName), max: 2 });
+    if (!this.sql) {
+      this.sql = new pg.Pool({ connectionString: databaseUrl(this.dbName), max: 2 });
+      // pool.end() resolves before its sockets have closed; the DROP DATABASE ... WITH (FORCE) of cleanup
+      // then ends those sessions, and the pool reports it as an error on a client it no longer has.
+      this.sql.on('error', () => undefined);
+    }
     return (await this.sql.query(text, params)).rows as T[];
   }
 
