@@ -36,6 +36,8 @@ export interface StoredReservation {
   epoch: number;
   /** The Redis generation the holds were taken in. */
   generation: number;
+  /** End of the commit window of the latest pin (Redis clock); 0 if never pinned. */
+  pinnedUntilMs: number;
 }
 
 export interface ReserveRequest {
@@ -96,7 +98,7 @@ function loadScript(name: string): string {
 }
 
 function parseReservation(reply: string[]): StoredReservation {
-  const [, id, state, owner, kind, created, expires, items, outcome, now, epoch, generation] = reply;
+  const [, id, state, owner, kind, created, expires, items, outcome, now, epoch, generation, pinnedUntil] = reply;
   return {
     id,
     state: state as StoredState,
@@ -109,6 +111,7 @@ function parseReservation(reply: string[]): StoredReservation {
     nowMs: Number(now),
     epoch: Number(epoch ?? 0),
     generation: Number(generation ?? 0),
+    pinnedUntilMs: Number(pinnedUntil ?? 0),
   };
 }
 

@@ -80,7 +80,7 @@ describe('invariants 1-4 checked against the stores', () => {
     expect((await b.get(`/v1/reservations/${r.body.id}`)).body.state).toBe('held');
     expect((await b.post('/v1/pools/died-pinned/reservations', { owner: 'rival', count: 1 })).status).toBe(409);
     const retry = await b.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [r.body.items[0].resourceId] });
-    expect(retry.status).toBe(200);
+    expect(retry.status, JSON.stringify(retry.body)).toBe(200);
     expect((await b.get('/v1/pools/died-pinned')).body.stats).toEqual({ total: 2, free: 1, held: 0, allocated: 1 });
   });
 

@@ -79,9 +79,44 @@ describe('commits whose outcome the caller never saw', () => {
     const confirm = await stalledConfirm(api, 'released-first', r.body.id, id, 200);
     expect(await confirm.land()).toBe('committed');
     expect((await api.post(`/v1/pools/released-first/resources/${id}/release`, { owner: 'buyer' })).status).toBe(200);
+    await sleep(300); // the commit window passes: the sweeper now takes the commit up
     const pool = await api.app.get(PoolRepository).findByName('released-first');
     expect(await api.app.get(CommitService).recoverStalled(pool!, r.body.id)).toBe('finished');
     const again = await api.post('/v1/pools/released-first/reservations', { owner: 'next', count: 1 });
     expect(again.body.items?.[0]?.resourceId).toBe(id);
+  });
+
+  it('a confirm retried after a stalled commit window succeeds while the sweeper is settling that commit', async () => {
+    await seedPool(api, 'retried', numbers(1));
+    const r = await api.post('/v1/pools/retried/reservations', { owner: 'buyer', count: 1, ttlMs: 60_000 });
+    const chosen = r.body.items[0].resourceId;
+    // The first confirm's instance dies after pinning; its window (200 ms) passes.
+    const first = await stalledConfirm(api, 'retried', r.body.id, chosen, 200);
+    await sleep(300);
+    // The sweeper has found it and given its epoch up in Postgres, but not yet in Redis...
+    expect(await api.app.get(ResourceRepository).decideAbort(r.body.id, first.pinned.reservation.epoch)).toBe('abort');
+    // ...when the buyer's retry pins the hold (still due) again, and stalls before its commit.
+    const retry = await stalledConfirm(api, 'retried', r.body.id, chosen, 5000);
+    expect(retry.pinned.reservation.epoch).toBe(first.pinned.reservation.epoch + 1);
+    // The sweeper goes on with the reservation it found: it must leave the retry's live epoch alone.
+    const pool = await api.app.get(PoolRepository).findByName('retried');
+    expect(await api.app.get(CommitService).recoverStalled(pool!, r.body.id)).toBe('held');
+    expect(await retry.land()).toBe('committed');
+    expect(await first.land()).toBe('decided');
+    // The same race through the API: a confirm arriving after a window that the sweeper has given up.
+    await seedPool(api, 'retried-api', numbers(1, '1390000'));
+    const r2 = await api.post('/v1/pools/retried-api/reservations', { owner: 'buyer2', count: 1, ttlMs: 60_000 });
+    const other = r2.body.items[0].resourceId;
+    const stalled = await stalledConfirm(api, 'retried-api', r2.body.id, other, 200);
+    await sleep(300);
+    await api.app.get(ResourceRepository).decideAbort(r2.body.id, stalled.pinned.reservation.epoch);
+    const confirmed = await api.post(`/v1/reservations/${r2.body.id}/confirm`, { resourceIds: [other] });
+    expect(confirmed.status, JSON.stringify(confirmed.body)).toBe(200);
+    expect(
+      await world.query(`SELECT id::text, owner FROM t_resource WHERE state = 2 AND id IN ($1, $2) ORDER BY owner`, [chosen, other]),
+    ).toEqual([
+      { id: chosen, owner: 'buyer' },
+      { id: other, owner: 'buyer2' },
+    ]);
   });
 });

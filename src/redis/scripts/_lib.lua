@@ -143,6 +143,6 @@ local function free_items(base, rid, items)
 end
 
 local function reservation_reply(status, rid, rkey, now)
-  local f = redis.call('HMGET', rkey, 's', 'o', 'k', 'c', 'e', 'i', 'x', 'ep', 'g')
-  return { status, rid, f[1] or '', f[2] or '', f[3] or '', f[4] or '', f[5] or '', f[6] or '[]', f[7] or '', tostring(now), f[8] or '0', f[9] or '0' }
+  local f = redis.call('HMGET', rkey, 's', 'o', 'k', 'c', 'e', 'i', 'x', 'ep', 'g', 'pw')
+  return { status, rid, f[1] or '', f[2] or '', f[3] or '', f[4] or '', f[5] or '', f[6] or '[]', f[7] or '', tostring(now), f[8] or '0', f[9] or '0', f[10] or '0' }
 end

@@ -1,14 +1,18 @@
 -- pin: first step of confirm/complete. Checks that every selected item is still this reservation's
 -- (re-taking, after expiry, an item nobody else took) and pins those holds until the commit is decided;
 -- the sweeper looks at the reservation again when the commit window ends.
--- A pin from any state but "confirming" starts a new commit epoch; Postgres records who ended each epoch
--- (the commit, or the sweeper's abort), so the two can never both happen.
+-- A pin from any state but "confirming", or of a commit whose window has passed, starts a new commit
+-- epoch; Postgres records who ended each epoch (the commit, or the sweeper's abort), so the two can
+-- never both happen. A confirm arriving while another one's window is open joins its epoch (whichever
+-- commits first, the other finds the commit); one arriving after it must not: the sweeper may already
+-- have given that epoch up, and the confirm would be refused while its hold is still due.
 -- ARGV: 1 base, 2 rid, 3 commit window ms, 4 selection (resource ids, comma separated, sorted)
 -- Returns: {"pinned", rid, state, owner, kind, createdMs, expiresMs, itemsJson, outcomeJson, nowMs, epoch}
 --          | {"confirmed", ...same} (already committed) | {"missing"} | {"closed"} | {"notin", id} | {"lost", id}
 local base, rid, window, selection = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
 local rkey = base .. 'r:' .. rid
-local state = redis.call('HGET', rkey, 's')
+local f = redis.call('HMGET', rkey, 's', 'pw')
+local state = f[1]
 local now = now_ms()
 if not state then return { 'missing' } end
 if state == 'confirmed' then return reservation_reply('confirmed', rid, rkey, now) end
@@ -29,8 +33,8 @@ for _, item in ipairs(selected) do
   if holder and holder ~= rid then return { 'lost', item.id } end
 end
 
-if state ~= 'confirming' then redis.call('HINCRBY', rkey, 'ep', 1) end
-redis.call('HSET', rkey, 's', 'confirming', 'sel', selection)
+if state ~= 'confirming' or tonumber(f[2] or 0) <= now then redis.call('HINCRBY', rkey, 'ep', 1) end
+redis.call('HSET', rkey, 's', 'confirming', 'sel', selection, 'pw', now + window)
 redis.call('ZADD', base .. 'exp', now + window, rid)
 redis.call('PEXPIRE', rkey, window + tonumber(redis.call('PTTL', rkey)))
 -- From now on Postgres may commit these items at any moment, until the epoch is decided. Their holds
