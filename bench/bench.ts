@@ -6,7 +6,7 @@
  *   npm run bench -- --quick # shorter runs, for trying the script out
  */
 import { ChildProcess, spawn } from 'node:child_process';
-import { readFileSync, writeFileSync } from 'node:fs';
+import { readFileSync, rmSync, writeFileSync } from 'node:fs';
 import os from 'node:os';
 import pg from 'pg';
 import PgBoss from 'pg-boss';
@@ -14,10 +14,13 @@ import { Redis } from 'ioredis';
 import { deleteKeys, freePort, serviceArgs } from '../test/support/services.js';
 import { poolKeys } from '../src/redis/keys.js';
 import { LoadResult, client, median, runLoad } from './load.js';
+import { WRK_THREADS, ensureWrk, requestsFile, runWrk } from './wrk.js';
 
 const QUICK = process.argv.includes('--quick');
 const RUN_MS = QUICK ? 2000 : 5000;
 const REPEAT = QUICK ? 1 : 3;
+/** Reservations confirmed in the unmeasured second before each timed confirm run. */
+const WARMUP_CONFIRMS = 8_000;
 const CONNECTIONS = 100;
 const PG_ADMIN = 'postgres://postgres@127.0.0.1:5432/postgres';
 const DB = 'respool_bench';
@@ -58,6 +61,7 @@ async function repeat(label: string, once: () => Promise<LoadResult>): Promise<L
 }
 
 async function main(): Promise<void> {
+  ensureWrk();
   const admin = new pg.Client({ connectionString: PG_ADMIN });
   await admin.connect();
   await admin.query(`DROP DATABASE IF EXISTS ${DB} WITH (FORCE)`);
@@ -120,7 +124,11 @@ async function main(): Promise<void> {
     const ceilingHttp = client(`http://127.0.0.1:${ceilingPort}`, CONNECTIONS);
     say(`machine: ${os.cpus().length} × ${os.cpus()[0].model}, ${(os.totalmem() / 2 ** 30).toFixed(0)} GiB, Node ${process.version}`);
 
+    const ceilingUrl = `http://127.0.0.1:${ceilingPort}`;
     const ceiling = await repeat('ceiling (bare Fastify + reserve EVALSHA)', () =>
+      runWrk(ceilingUrl, CONNECTIONS, RUN_MS, { request: { method: 'POST', path: '/reserve', body: {} } }),
+    );
+    const ceilingNode = await repeat('ceiling, Node load generator', () =>
       runLoad(CONNECTIONS, RUN_MS, async () => String((await ceilingHttp.call('POST', '/reserve', {})).status)),
     );
 
@@ -129,11 +137,29 @@ async function main(): Promise<void> {
     let rssPeak = 0;
     const rssTimer = setInterval(() => (rssPeak = Math.max(rssPeak, rssMb(service.pid!))), 200);
     const reserve = await repeat('respool reserve(3)', () =>
+      runWrk(url, CONNECTIONS, RUN_MS, {
+        request: { method: 'POST', path: '/v1/pools/reserve/reservations', body: { owner: 'bench', count: 3, ttlMs: 1000 } },
+      }),
+    );
+    const reserveNode = await repeat('respool reserve(3), Node load generator', () =>
       runLoad(CONNECTIONS, RUN_MS, async () =>
         String((await call('POST', '/v1/pools/reserve/reservations', { owner: 'bench', count: 3, ttlMs: 1000 })).status),
       ),
     );
     clearInterval(rssTimer);
+    // Redis' own time per reservation: the reserve script, and the sweep script that expires it later.
+    await sleep(2500); // the holds of the runs above expire and are swept
+    await redis.config('RESETSTAT');
+    const probe = await runWrk(
+      url,
+      CONNECTIONS,
+      2000,
+      { request: { method: 'POST', path: '/v1/pools/reserve/reservations', body: { owner: 'bench', count: 3, ttlMs: 1000 } } },
+      0,
+    );
+    await sleep(2500);
+    const scriptUs = Number(/cmdstat_evalsha:calls=\d+,usec=(\d+)/.exec(await redis.info('commandstats'))?.[1] ?? 0);
+    const redisUsPerReservation = scriptUs / (probe.byStatus['201'] ?? 1);
     record(
       'reserve (count 3), req/s',
       reserve.rps.toFixed(0),
@@ -150,14 +176,23 @@ async function main(): Promise<void> {
       'p99 ≤ 15 ms',
       reserve.p99 <= 15,
     );
+    record(
+      'reserve with the Node load generator, req/s and p99 ms',
+      `${reserveNode.rps.toFixed(0)}, ${reserveNode.p99.toFixed(2)}`,
+      `ceiling ${ceilingNode.rps.toFixed(0)}, ${ceilingNode.p99.toFixed(2)}`,
+      `${((reserveNode.rps / ceilingNode.rps) * 100).toFixed(0)} %`,
+      '',
+      null,
+    );
+    record('Redis script time per reservation (reserve + its expiry), µs', redisUsPerReservation.toFixed(0), '', '', '', null);
     chart.push({ label: 'ceiling: Fastify + EVALSHA', value: ceiling.rps }, { label: 'respool reserve(3)', value: reserve.rps });
 
     // Confirm 1 of 3 (the rest released). "confirm": POST /confirm on reservations of 3 made just before
     // the timed run (the buyer already holds them); "cycle": reserve 3 then confirm 1, both timed.
-    await createPool('confirm', 'number', 200_000);
+    await createPool('confirm', 'number', QUICK ? 200_000 : 400_000);
     const confirmOnly = await repeat('respool confirm(1 of 3), reservations made before', async () => {
       const ready: { id: string; item: string }[] = [];
-      const target = QUICK ? 15_000 : 40_000;
+      const target = WARMUP_CONFIRMS + (QUICK ? 20_000 : 50_000);
       await Promise.all(
         Array.from({ length: CONNECTIONS }, async () => {
           while (ready.length < target) {
@@ -167,18 +202,19 @@ async function main(): Promise<void> {
           }
         }),
       );
-      const result = await runLoad(CONNECTIONS, RUN_MS, async () => {
-        const r = ready.pop();
-        if (!r) {
-          await sleep(1); // never spin without yielding: the timer that ends the run must get its turn
-          return 'ran dry';
-        }
-        return String((await call('POST', `/v1/reservations/${r.id}/confirm`, { resourceIds: [r.item] })).status);
-      });
-      // Give back what the run did not use, so the next run starts from the same pool.
+      const confirms = (list: typeof ready) =>
+        requestsFile(list.map((r) => ({ method: 'POST', path: `/v1/reservations/${r.id}/confirm`, body: { resourceIds: [r.item] } })));
+      // Warm-up on reservations of its own, then the timed run on the rest.
+      const warmup = confirms(ready.slice(0, WARMUP_CONFIRMS));
+      await runWrk(url, CONNECTIONS, 1000, { requestsFile: warmup });
+      const file = confirms(ready.slice(WARMUP_CONFIRMS));
+      const result = await runWrk(url, CONNECTIONS, RUN_MS, { requestsFile: file });
+      rmSync(warmup);
+      rmSync(file);
+      // Give back what the run did not use (their confirm answers 409 RESERVATION_CLOSED or 200 for the
+      // confirmed ones), so the next run starts from the same pool.
       for (let i = 0; i < ready.length; i += CONNECTIONS)
         await Promise.all(ready.slice(i, i + CONNECTIONS).map((r) => call('DELETE', `/v1/reservations/${r.id}`)));
-      if (result.byStatus['ran dry']) throw new Error('the confirm run used up its reservations; make more');
       return result;
     });
     const confirm = await repeat('respool cycle: reserve(3) + confirm(1)', () =>
@@ -201,9 +237,8 @@ async function main(): Promise<void> {
     const classicPort = await freePort();
     children.push(startProcess(['dist/bench/bench/ceiling.js', 'classic', String(classicPort), DB_URL, ids.pool, ids.hi, ids.lo]));
     await waitHttp(`http://127.0.0.1:${classicPort}/`);
-    const classicHttp = client(`http://127.0.0.1:${classicPort}`, CONNECTIONS);
     const classic = await repeat('classic: random free row + version-checked UPDATE', () =>
-      runLoad(CONNECTIONS, RUN_MS, async () => String((await classicHttp.call('POST', '/allocate', {})).status)),
+      runWrk(`http://127.0.0.1:${classicPort}`, CONNECTIONS, RUN_MS, { request: { method: 'POST', path: '/allocate', body: {} } }),
     );
     const confirmsPerSec = confirmOnly.rps * ((confirmOnly.byStatus['200'] ?? 0) / confirmOnly.ops);
     const cyclesPerSec = confirm.rps * ((confirm.byStatus['200'] ?? 0) / confirm.ops);
@@ -348,7 +383,6 @@ async function main(): Promise<void> {
 
     await http.close();
     await ceilingHttp.close();
-    await classicHttp.close();
     await sql.end();
     writeReport(rows, chart);
   } finally {
@@ -392,9 +426,12 @@ function writeReport(
 
 Measured by \`npm run bench${QUICK ? ' -- --quick' : ''}\` on ${new Date().toISOString().slice(0, 10)}: one run, on one machine, with every
 baseline measured in the same run. Machine: ${cpu.length} × ${cpu[0].model}, ${(os.totalmem() / 2 ** 30).toFixed(0)} GiB, Node ${process.version},
-PostgreSQL and Redis on loopback; the load generator (undici, in the bench process), the service and
-the databases share the ${cpu.length} cores. Each figure is the median of ${REPEAT} runs of ${RUN_MS / 1000} s after a 1 s warm-up, at
-${CONNECTIONS} connections unless the row says otherwise. The machine is shared and noisy: read ratios, not absolutes.
+PostgreSQL and Redis on loopback; the load generator, the service and the databases share the ${cpu.length} cores.
+Load generators: [wrk](https://github.com/wg/wrk) (${WRK_THREADS} threads) for the operations that are one request (ceiling,
+reserve, confirm, classic); the bench's own Node loop (undici) for those made of dependent requests (cycle, pull +
+complete, contention, growth) and, for comparison, for the ceiling and reserve once more. Each figure is the median of
+${REPEAT} runs of ${RUN_MS / 1000} s after a 1 s warm-up, at ${CONNECTIONS} connections unless the row says otherwise. The machine is
+shared and noisy: read ratios, not absolutes.
 
 ![throughput chart](benchmarks.svg)
 
@@ -406,10 +443,13 @@ What is measured:
 - **reserve**: \`POST /v1/pools/{pool}/reservations\` with count 3 and 1 s holds on a 100,000-item pool;
 - **confirm**: \`POST /v1/reservations/{id}/confirm\` choosing 1 of 3 held items (the other two are released), on
   reservations made just before the timed run; **cycle**: each operation reserves 3 and then confirms 1, both timed.
-  The **classic** design from DESIGN.md is a bare Fastify endpoint that picks a random free row and runs the
+  The **classic** design from DESIGN.md is a bare Fastify endpoint (\`bench/ceiling.ts\`) that picks a random free row and runs the
   version-checked UPDATE, retrying on conflict, at the same concurrency;
 - **pull-next + complete** against **pg-boss** ${(JSON.parse(readFileSync('node_modules/pg-boss/package.json', 'utf8')) as { version: string }).version} \`fetch\` + \`complete\` (as a library, no HTTP) with the same
   concurrency, on the same Postgres;
+- **Redis script time per reservation**: Redis' own \`usec\` for EVALSHA (\`INFO commandstats\`) over a 2 s reserve run
+  and the sweeps that expire its holds, divided by the reservations made: the work Redis does for one reservation,
+  which bounds the ceiling and respool alike;
 - **contention**: 1,000 concurrent clients reserving 1 of a 100-item pool (1 s holds);
 - **growth**: reserve(1) latency on pools of 1,000 / 100,000 / 1,000,000 items at the same 100 connections, each
   reserve followed by an untimed release so no pool runs dry; all three are imported first (then \`VACUUM ANALYZE\`
