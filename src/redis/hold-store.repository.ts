@@ -234,8 +234,9 @@ export class HoldStore implements OnApplicationShutdown {
   }
 
   /** A commit attempt failed before Postgres decided it: held again until its expiry. False if left to the sweeper. */
-  async unpin(pool: string, reservationId: string, epoch: number): Promise<boolean> {
-    return (await this.run<number>('unpin', pool, reservationId, epoch)) === 1;
+  /** `pinned`: the reservation as the failed pin returned it (its epoch and window end). */
+  async unpin(pool: string, pinned: Pick<StoredReservation, 'id' | 'epoch' | 'pinnedUntilMs'>): Promise<boolean> {
+    return (await this.run<number>('unpin', pool, pinned.id, pinned.epoch, pinned.pinnedUntilMs)) === 1;
   }
 
   /** `abortedEpoch`: the reservation's commit epoch, which Postgres has recorded as given up. */

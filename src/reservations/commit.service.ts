@@ -95,7 +95,7 @@ export class CommitService {
     } catch (err) {
       // Postgres did not answer: held again until its expiry, so the caller's retry can still succeed.
       // Should the commit have landed unseen, the sweeper finds its decision row at expiry and finishes it.
-      await this.holds.unpin(pool.name, r.id, r.epoch).catch(() => false);
+      await this.holds.unpin(pool.name, r).catch(() => false);
       throw err;
     }
     if (result === 'committed') {

@@ -46,7 +46,7 @@ describe('commits whose outcome the caller never saw', () => {
     const confirm = await stalledConfirm(api, 'unseen', r.body.id, chosen, 200);
     expect(await confirm.land()).toBe('committed');
     // The confirm's caller saw an error (a timeout), so the reservation was un-pinned: held again.
-    expect(await api.app.get(HoldStore).unpin('unseen', r.body.id, confirm.pinned.reservation.epoch)).toBe(true);
+    expect(await api.app.get(HoldStore).unpin('unseen', confirm.pinned.reservation)).toBe(true);
     const released = await api.del(`/v1/reservations/${r.body.id}`);
     expect(released.status).toBe(409);
     expect(released.body.error.code).toBe('RESERVATION_CLOSED');
@@ -62,7 +62,7 @@ describe('commits whose outcome the caller never saw', () => {
     const r = await api.post('/v1/pools/never/reservations', { owner: 'buyer', count: 1 });
     const id = r.body.items[0].resourceId;
     const confirm = await stalledConfirm(api, 'never', r.body.id, id, 200);
-    expect(await api.app.get(HoldStore).unpin('never', r.body.id, confirm.pinned.reservation.epoch)).toBe(true);
+    expect(await api.app.get(HoldStore).unpin('never', confirm.pinned.reservation)).toBe(true);
     expect((await api.del(`/v1/reservations/${r.body.id}`)).status).toBe(200);
     // The lost commit arrives after the release: its epoch was given up.
     expect(await confirm.land()).toBe('decided');
@@ -118,5 +118,35 @@ describe('commits whose outcome the caller never saw', () => {
       { id: chosen, owner: 'buyer' },
       { id: other, owner: 'buyer2' },
     ]);
+  });
+
+  it('a confirm that joined a commit keeps it when the other confirm of that commit fails and un-pins', async () => {
+    await seedPool(api, 'joined', numbers(1));
+    const r = await api.post('/v1/pools/joined/reservations', { owner: 'buyer', count: 1, ttlMs: 1000 });
+    const id = r.body.items[0].resourceId;
+    // The payment system's retry reaches a second instance while the first confirm is committing.
+    const first = await stalledConfirm(api, 'joined', r.body.id, id, 5000);
+    await sleep(5);
+    const second = await stalledConfirm(api, 'joined', r.body.id, id, 5000);
+    expect(second.pinned.reservation.epoch).toBe(first.pinned.reservation.epoch);
+    // The first one's Postgres call fails: it must not end the window the second one still commits in.
+    expect(await api.app.get(HoldStore).unpin('joined', first.pinned.reservation)).toBe(false);
+    await sleep(1100); // past the hold's expiry: a sweeper looking now must leave the commit alone
+    const pool = await api.app.get(PoolRepository).findByName('joined');
+    expect(await api.app.get(CommitService).recoverStalled(pool!, r.body.id)).toBe('held');
+    expect(await second.land()).toBe('committed');
+  });
+
+  it('a confirm with another selection does not join a commit that a version conflict is giving up', async () => {
+    await seedPool(api, 'reselect', numbers(2));
+    const r = await api.post('/v1/pools/reselect/reservations', { owner: 'buyer', count: 2, ttlMs: 60_000 });
+    const [x, y] = r.body.items.map((i: { resourceId: string }) => i.resourceId);
+    const first = await stalledConfirm(api, 'reselect', r.body.id, x, 5000);
+    // The first confirm met a version conflict on x: Postgres gives its epoch up...
+    expect(await api.app.get(ResourceRepository).decideAbort(r.body.id, first.pinned.reservation.epoch)).toBe('abort');
+    // ...and before Redis hears of it, the buyer confirms the other number.
+    const second = await stalledConfirm(api, 'reselect', r.body.id, y, 5000);
+    expect(second.pinned.reservation.epoch).toBe(first.pinned.reservation.epoch + 1);
+    expect(await second.land()).toBe('committed');
   });
 });

@@ -1,17 +1,19 @@
 -- pin: first step of confirm/complete. Checks that every selected item is still this reservation's
 -- (re-taking, after expiry, an item nobody else took) and pins those holds until the commit is decided;
 -- the sweeper looks at the reservation again when the commit window ends.
--- A pin from any state but "confirming", or of a commit whose window has passed, starts a new commit
--- epoch; Postgres records who ended each epoch (the commit, or the sweeper's abort), so the two can
--- never both happen. A confirm arriving while another one's window is open joins its epoch (whichever
--- commits first, the other finds the commit); one arriving after it must not: the sweeper may already
--- have given that epoch up, and the confirm would be refused while its hold is still due.
+-- A pin starts a new commit epoch unless it is the same confirm again (same selection) while the
+-- epoch's window is open: then it joins (whichever commits first, the other finds the commit).
+-- Postgres records who ended each epoch (the commit, or an abort), so the two can never both happen.
+-- A confirm must not join an epoch that may already be given up: after the window (the sweeper gives
+-- it up), or with another selection (the first one's version conflict gives it up); its own commit
+-- would be refused while its hold is still due. Two epochs cannot both commit: Postgres keeps one
+-- commit per reservation.
 -- ARGV: 1 base, 2 rid, 3 commit window ms, 4 selection (resource ids, comma separated, sorted)
 -- Returns: {"pinned", rid, state, owner, kind, createdMs, expiresMs, itemsJson, outcomeJson, nowMs, epoch}
 --          | {"confirmed", ...same} (already committed) | {"missing"} | {"closed"} | {"notin", id} | {"lost", id}
 local base, rid, window, selection = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
 local rkey = base .. 'r:' .. rid
-local f = redis.call('HMGET', rkey, 's', 'pw')
+local f = redis.call('HMGET', rkey, 's', 'pw', 'sel')
 local state = f[1]
 local now = now_ms()
 if not state then return { 'missing' } end
@@ -33,7 +35,7 @@ for _, item in ipairs(selected) do
   if holder and holder ~= rid then return { 'lost', item.id } end
 end
 
-if state ~= 'confirming' or tonumber(f[2] or 0) <= now then redis.call('HINCRBY', rkey, 'ep', 1) end
+if state ~= 'confirming' or tonumber(f[2] or 0) <= now or f[3] ~= selection then redis.call('HINCRBY', rkey, 'ep', 1) end
 redis.call('HSET', rkey, 's', 'confirming', 'sel', selection, 'pw', now + window)
 redis.call('ZADD', base .. 'exp', now + window, rid)
 redis.call('PEXPIRE', rkey, window + tonumber(redis.call('PTTL', rkey)))
