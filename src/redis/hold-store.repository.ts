@@ -233,8 +233,10 @@ export class HoldStore implements OnApplicationShutdown {
     );
   }
 
-  /** A commit attempt failed before Postgres decided it: held again until its expiry. False if left to the sweeper. */
-  /** `pinned`: the reservation as the failed pin returned it (its epoch and window end). */
+  /**
+   * A commit attempt failed before Postgres decided it: held again until its expiry. `pinned` is the
+   * reservation as the failed pin returned it (its epoch and window end). False if left to the sweeper.
+   */
   async unpin(pool: string, pinned: Pick<StoredReservation, 'id' | 'epoch' | 'pinnedUntilMs'>): Promise<boolean> {
     return (await this.run<number>('unpin', pool, pinned.id, pinned.epoch, pinned.pinnedUntilMs)) === 1;
   }

@@ -201,19 +201,16 @@ export class CommitService {
   async recoverStalled(pool: PoolEntity, reservationId: string): Promise<'finished' | 'held' | 'expired' | 'gone'> {
     const r = await this.holds.read(pool.name, reservationId);
     if (!r || (r.state !== 'confirming' && r.state !== 'held') || r.epoch === 0) return 'gone';
-    if (r.state === 'confirming' && r.pinnedUntilMs > r.nowMs) {
-      // A confirm pinned it again since it was found stalled: its epoch is live, only the earlier ones are
-      // given up (one of them may have landed after all). Redis is left to the live confirm.
-      const earlier = r.epoch > 1 ? await this.endEpochs(r.id, r.epoch - 1) : null;
-      if (!earlier) return 'held';
-      await this.finish(pool, r.id, earlier);
-      return 'finished';
-    }
-    const landed = await this.endEpochs(r.id, r.epoch);
+    // Pinned again since it was found stalled: that confirm's epoch is live. Only the earlier ones are given
+    // up (one of them may have landed after all), and Redis is left to the live confirm.
+    const live = r.state === 'confirming' && r.pinnedUntilMs > r.nowMs;
+    const lastToEnd = live ? r.epoch - 1 : r.epoch;
+    const landed = lastToEnd > 0 ? await this.endEpochs(r.id, lastToEnd) : null;
     if (landed) {
       await this.finish(pool, r.id, landed);
       return 'finished';
     }
+    if (live) return 'held';
     const how = await this.abortWithTruth(pool, r);
     return how === 'stale' ? 'gone' : how;
   }
