@@ -13,7 +13,8 @@ import PgBoss from 'pg-boss';
 import { Redis } from 'ioredis';
 import { deleteKeys, freePort, serviceArgs } from '../test/support/services.js';
 import { poolKeys } from '../src/redis/keys.js';
-import { LoadResult, client, median, runLoad } from './load.js';
+import { formatCpu } from './cpu.js';
+import { CpuProbe, LoadResult, client, median, runLoad } from './load.js';
 import { WRK_THREADS, ensureWrk, requestsFile, runWrk } from './wrk.js';
 
 const QUICK = process.argv.includes('--quick');
@@ -47,6 +48,20 @@ async function waitHttp(url: string): Promise<void> {
   throw new Error(`${url} did not come up`);
 }
 
+/** CPU by process for a run against the server process `pid`: it, Postgres, Redis and the load generator. */
+function probeOf(pid: number): CpuProbe {
+  return {
+    groupOf: (p, comm) =>
+      p === pid ? 'server' : comm === 'postgres' ? 'postgres' : comm === 'redis-server' ? 'redis' : p === process.pid ? 'load' : undefined,
+    order: ['server', 'postgres', 'redis', 'load'],
+  };
+}
+
+/** A run's CPU per operation for the table: the split by process and the total. */
+function cpuCell(run: LoadResult): string {
+  return run.cpu ? formatCpu(run.cpu) : 'n/a';
+}
+
 function rssMb(pid: number): number {
   const status = readFileSync(`/proc/${pid}/status`, 'utf8');
   return Number(/VmRSS:\s+(\d+)/.exec(status)![1]) / 1024;
@@ -57,6 +72,7 @@ async function repeat(label: string, once: () => Promise<LoadResult>): Promise<L
   for (let i = 0; i < REPEAT; i++) runs.push(await once());
   const m = median(runs);
   say(`${label}: ${m.rps.toFixed(0)}/s p50 ${m.p50.toFixed(2)} ms p99 ${m.p99.toFixed(2)} ms ${JSON.stringify(m.byStatus)}`);
+  if (m.cpu) say(`  CPU per operation, µs: ${cpuCell(m)}`);
   return m;
 }
 
@@ -125,8 +141,9 @@ async function main(): Promise<void> {
     say(`machine: ${os.cpus().length} × ${os.cpus()[0].model}, ${(os.totalmem() / 2 ** 30).toFixed(0)} GiB, Node ${process.version}`);
 
     const ceilingUrl = `http://127.0.0.1:${ceilingPort}`;
+    const ceilingProcess = children[children.length - 1];
     const ceiling = await repeat('ceiling (bare Fastify + reserve EVALSHA)', () =>
-      runWrk(ceilingUrl, CONNECTIONS, RUN_MS, { request: { method: 'POST', path: '/reserve', body: {} } }),
+      runWrk(ceilingUrl, CONNECTIONS, RUN_MS, { request: { method: 'POST', path: '/reserve', body: {} } }, 1000, probeOf(ceilingProcess.pid!)),
     );
     const ceilingNode = await repeat('ceiling, Node load generator', () =>
       runLoad(CONNECTIONS, RUN_MS, async () => String((await ceilingHttp.call('POST', '/reserve', {})).status)),
@@ -137,9 +154,14 @@ async function main(): Promise<void> {
     let rssPeak = 0;
     const rssTimer = setInterval(() => (rssPeak = Math.max(rssPeak, rssMb(service.pid!))), 200);
     const reserve = await repeat('respool reserve(3)', () =>
-      runWrk(url, CONNECTIONS, RUN_MS, {
-        request: { method: 'POST', path: '/v1/pools/reserve/reservations', body: { owner: 'bench', count: 3, ttlMs: 1000 } },
-      }),
+      runWrk(
+        url,
+        CONNECTIONS,
+        RUN_MS,
+        { request: { method: 'POST', path: '/v1/pools/reserve/reservations', body: { owner: 'bench', count: 3, ttlMs: 1000 } } },
+        1000,
+        probeOf(service.pid!),
+      ),
     );
     const reserveNode = await repeat('respool reserve(3), Node load generator', () =>
       runLoad(CONNECTIONS, RUN_MS, async () =>
@@ -194,6 +216,7 @@ async function main(): Promise<void> {
       null,
     );
     record('Redis script time per reservation (reserve + its expiry), µs', redisUsPerReservation.toFixed(0), '', '', '', null);
+    record('CPU per reserve by process, µs', cpuCell(reserve), `ceiling ${cpuCell(ceiling)}`, '', '', null);
     chart.push({ label: 'ceiling: Fastify + EVALSHA', value: ceiling.rps }, { label: 'respool reserve(3)', value: reserve.rps });
 
     // Confirm 1 of 3 (the rest released). "confirm": POST /confirm on reservations of 3 made just before
@@ -217,7 +240,7 @@ async function main(): Promise<void> {
       const warmup = confirms(ready.slice(0, WARMUP_CONFIRMS));
       await runWrk(url, CONNECTIONS, 1000, { requestsFile: warmup });
       const file = confirms(ready.slice(WARMUP_CONFIRMS));
-      const result = await runWrk(url, CONNECTIONS, RUN_MS, { requestsFile: file });
+      const result = await runWrk(url, CONNECTIONS, RUN_MS, { requestsFile: file }, 0, probeOf(service.pid!));
       rmSync(warmup);
       rmSync(file);
       // Give back what the run did not use (their confirm answers 409 RESERVATION_CLOSED or 200 for the
@@ -246,8 +269,16 @@ async function main(): Promise<void> {
     const classicPort = await freePort();
     children.push(startProcess(['dist/bench/bench/ceiling.js', 'classic', String(classicPort), DB_URL, ids.pool, ids.hi, ids.lo]));
     await waitHttp(`http://127.0.0.1:${classicPort}/`);
+    const classicProcess = children[children.length - 1];
     const classic = await repeat('classic: random free row + version-checked UPDATE', () =>
-      runWrk(`http://127.0.0.1:${classicPort}`, CONNECTIONS, RUN_MS, { request: { method: 'POST', path: '/allocate', body: {} } }),
+      runWrk(
+        `http://127.0.0.1:${classicPort}`,
+        CONNECTIONS,
+        RUN_MS,
+        { request: { method: 'POST', path: '/allocate', body: {} } },
+        1000,
+        probeOf(classicProcess.pid!),
+      ),
     );
     const confirmsPerSec = confirmOnly.rps * ((confirmOnly.byStatus['2xx'] ?? 0) / confirmOnly.ops);
     const cyclesPerSec = confirm.rps * ((confirm.byStatus['200'] ?? 0) / confirm.ops);
@@ -267,6 +298,7 @@ async function main(): Promise<void> {
       '',
       null,
     );
+    record('CPU per confirm by process, µs', cpuCell(confirmOnly), `classic ${cpuCell(classic)}`, '', '', null);
     record(
       'cycle: reserve 3 + confirm 1, per second',
       cyclesPerSec.toFixed(0),
@@ -461,6 +493,11 @@ What is measured:
 - **Redis script time per reservation**: Redis' own \`usec\` for EVALSHA (\`INFO commandstats\`) over a 2 s reserve run
   and the sweeps that expire its holds, divided by the reservations made: the work Redis does for one reservation,
   which bounds the ceiling and respool alike;
+- **CPU per operation by process**: user + system CPU time from \`/proc\` over the timed run (the median run's), divided
+  by the operations it completed, for the server answering (respool, the ceiling or the classic endpoint), every
+  Postgres process, Redis, and the load generator (wrk, or the bench's own loop). The machine has
+  ${cpu.length} cores, so a total of T µs per operation caps the rate at ${cpu.length} × 10⁶ / T per second, whatever the
+  concurrency;
 - **contention**: 1,000 concurrent clients reserving 1 of a 100-item pool (1 s holds);
 - **growth**: reserve(1) latency on pools of 1,000 / 100,000 / 1,000,000 items at the same 100 connections, each
   reserve followed by an untimed release so no pool runs dry; all three are imported first (then \`VACUUM ANALYZE\`

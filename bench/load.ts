@@ -1,4 +1,5 @@
 import { Pool } from 'undici';
+import { cpuPerOp, cpuSnapshot } from './cpu.js';
 
 export interface LoadResult {
   /** Completed operations per second (an operation may be several requests, see `op`). */
@@ -10,6 +11,14 @@ export interface LoadResult {
   p50: number;
   p99: number;
   latency: Record<string, { p50: number; p99: number }>;
+  /** CPU µs per operation by process group over the timed part, when the run was given a `CpuProbe`. */
+  cpu?: Record<string, number>;
+}
+
+/** Names the process groups whose CPU a run reports per operation (see cpu.ts). */
+export interface CpuProbe {
+  groupOf: (pid: number, comm: string) => string | undefined;
+  order: string[];
 }
 
 export type Call = (method: string, path: string, body?: unknown) => Promise<{ status: number; body: any }>;
@@ -44,6 +53,7 @@ export async function runLoad(
   durationMs: number,
   op: () => Promise<string | { label: string; ms: number }>,
   warmupMs = 1000,
+  probe?: CpuProbe,
 ): Promise<LoadResult> {
   const samples: { label: string; ms: number }[] = [];
   let measuring = false;
@@ -67,10 +77,12 @@ export async function runLoad(
   });
   await new Promise((r) => setTimeout(r, warmupMs));
   measuring = true;
+  const cpuBefore = probe && cpuSnapshot(probe.groupOf);
   const started = performance.now();
   await new Promise((r) => setTimeout(r, durationMs));
   stop = true;
   const elapsed = performance.now() - started;
+  const cpuAfter = probe && cpuSnapshot(probe.groupOf);
   await Promise.all(loops);
   const all = samples.map((s) => s.ms).sort((a, b) => a - b);
   const byStatus: Record<string, number> = {};
@@ -92,6 +104,7 @@ export async function runLoad(
     p50: percentile(all, 50),
     p99: percentile(all, 99),
     latency,
+    cpu: probe && cpuPerOp(cpuBefore!, cpuAfter!, samples.length, probe.order),
   };
 }
 

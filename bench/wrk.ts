@@ -2,7 +2,8 @@ import { spawn, spawnSync } from 'node:child_process';
 import { writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
-import type { LoadResult } from './load.js';
+import { cpuPerOp, cpuSnapshot } from './cpu.js';
+import type { CpuProbe, LoadResult } from './load.js';
 
 /**
  * wrk (C, epoll) as the load generator for single-request operations: at these rates a Node load
@@ -47,9 +48,12 @@ export async function runWrk(
   durationMs: number,
   what: { request: WrkRequest } | { requestsFile: string },
   warmupMs = 1000,
+  probe?: CpuProbe,
 ): Promise<LoadResult> {
   if ('request' in what && warmupMs > 0) await wrk(url, connections, warmupMs, what);
+  const cpuBefore = probe && cpuSnapshot(probe.groupOf);
   const r = await wrk(url, connections, durationMs, what);
+  const cpuAfter = probe && cpuSnapshot(probe.groupOf);
   if (r.ranDry > 0) throw new Error('wrk used up its requests file; make more requests');
   const seconds = r.durationUs / 1e6;
   // wrk counts responses that are not 2xx/3xx; the bench only needs how many succeeded.
@@ -57,7 +61,8 @@ export async function runWrk(
   if (r.errors > 0) byStatus['socket errors'] = r.errors;
   const p50 = r.p50Us / 1000;
   const p99 = r.p99Us / 1000;
-  return { rps: r.requests / seconds, ops: r.requests, durationMs: seconds * 1000, byStatus, p50, p99, latency: {} };
+  const cpu = probe && cpuPerOp(cpuBefore!, cpuAfter!, r.requests, probe.order);
+  return { rps: r.requests / seconds, ops: r.requests, durationMs: seconds * 1000, byStatus, p50, p99, latency: {}, cpu };
 }
 
 interface WrkOutput {
