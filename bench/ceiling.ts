@@ -11,6 +11,7 @@ import { Redis } from 'ioredis';
 import { randomUUID } from 'node:crypto';
 import { readFileSync } from 'node:fs';
 import pg from 'pg';
+import { MAX_BATCHES_PER_TICK, SWEEP_BATCH } from '../src/sweeper/sweep-limits.js';
 
 const [mode, portArg, url, arg, maxIdArg] = process.argv.slice(2);
 const app = Fastify({ logger: false });
@@ -23,11 +24,11 @@ if (mode === 'ceiling') {
   redis.defineCommand('rp_sweep', { numberOfKeys: 1, lua: `${lib}\n${readFileSync(new URL('sweep.lua', scripts), 'utf8')}` });
   const base = `${arg}{ceiling}:`;
   const call = redis as unknown as Record<string, (...args: unknown[]) => Promise<string[]>>;
-  // respool's sweeper, as respool runs it: batches of 500 until nothing is due, every 250 ms.
+  // respool's sweeper, as respool runs it: batches until nothing is due, every 250 ms.
   const sweep = async () => {
-    for (let i = 0; i < 40; i++) {
-      const swept = (await call.rp_sweep(`${base}free`, base, 500, 60_000, 15_000)) as unknown as number[];
-      if (Number(swept[0]) < 500) break;
+    for (let i = 0; i < MAX_BATCHES_PER_TICK; i++) {
+      const swept = (await call.rp_sweep(`${base}free`, base, SWEEP_BATCH, 60_000, 15_000)) as unknown as number[];
+      if (Number(swept[0]) < SWEEP_BATCH) break;
     }
   };
   setInterval(() => void sweep().catch(() => undefined), 250).unref();

@@ -7,9 +7,8 @@ import { PoolCatalog } from '../pools/pool-catalog.service.js';
 import { HoldStore } from '../redis/hold-store.repository.js';
 import { CommitService } from '../reservations/commit.service.js';
 import { RebuildService } from './rebuild.service.js';
+import { MAX_BATCHES_PER_TICK, SWEEP_BATCH } from './sweep-limits.js';
 
-const SWEEP_BATCH = 500;
-const MAX_BATCHES_PER_TICK = 40;
 const POOL_LIST_REFRESH_MS = 2000;
 const WIPE_CHECK_MIN_GAP_MS = 500;
 
