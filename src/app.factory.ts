@@ -60,7 +60,7 @@ export async function createApp(config: AppConfig, options: { logger?: boolean }
   try {
     const redis = app.get<Redis>(REDIS);
     await redis.connect();
-    await assertNoEviction(redis);
+    await assertNoEviction(redis, config.REDIS_TIMEOUT_MS);
   } catch (err) {
     await app.close().catch(() => undefined);
     throw err;

@@ -5,7 +5,7 @@ import { AppConfig } from '../config/app-config.js';
 import { isRedisOutage } from '../common/dependency-errors.js';
 import { DomainError } from '../common/errors.js';
 import { freeMember, markerKey, poolKeys } from './keys.js';
-import { REDIS } from './redis.client.js';
+import { REDIS, REDIS_TIMEOUT_MESSAGE, withTimeout } from './redis.client.js';
 
 /**
  * An item as Redis caches it: the JSON stored in the item hash, in reservations and in imports. The
@@ -149,12 +149,12 @@ export class HoldStore implements OnApplicationShutdown {
     const keys = poolKeys(this.prefix, pool);
     const call = (this.redis as unknown as Record<string, ScriptCall>)[`rp_${name}`];
     // KEYS[1] names the pool's slot (for Redis Cluster routing); the scripts build their keys from the base.
-    const once = () => call.call(this.redis, keys.free, keys.base, ...args) as Promise<T>;
+    const once = () => withTimeout(call.call(this.redis, keys.free, keys.base, ...args) as Promise<T>, this.config.REDIS_TIMEOUT_MS);
     try {
       return await once().catch((err: unknown) => {
         // A timed-out command may or may not have run. Every script but reserve has the same effect when
-        // run twice, so those get one more try: a process that was paused finds its timers expired at once.
-        if (name !== 'reserve' && err instanceof Error && err.message === 'Command timed out') return once();
+        // run twice, so those get one more try.
+        if (name !== 'reserve' && err instanceof Error && err.message === REDIS_TIMEOUT_MESSAGE) return once();
         throw err;
       });
     } catch (err) {
@@ -164,7 +164,7 @@ export class HoldStore implements OnApplicationShutdown {
 
   private async command<T>(fn: () => Promise<T>): Promise<T> {
     try {
-      return await fn();
+      return await withTimeout(fn(), this.config.REDIS_TIMEOUT_MS);
     } catch (err) {
       throw isRedisOutage(err) ? DomainError.unavailable('redis', err) : err;
     }

@@ -18,7 +18,10 @@ export function createRedis(config: AppConfig): Redis {
     // back items that were allocated while it waited.
     autoResendUnfulfilledCommands: false,
     maxRetriesPerRequest: 1,
-    commandTimeout: config.REDIS_TIMEOUT_MS,
+    // HoldStore bounds every command at REDIS_TIMEOUT_MS with `withTimeout` (below). ioredis' own timeout
+    // is only the backstop that ends commands which will never be answered (in flight when a connection
+    // dropped): until they end, the auto-pipeline they were sent in holds back every later command.
+    commandTimeout: 2 * config.REDIS_TIMEOUT_MS,
     connectTimeout: config.REDIS_TIMEOUT_MS,
     enableAutoPipelining: true,
     retryStrategy: (attempt) => Math.min(50 * 2 ** Math.min(attempt, 6), 2000),
@@ -26,11 +29,40 @@ export function createRedis(config: AppConfig): Redis {
   });
 }
 
+/** The error of a command that got no answer in time. It may still run in Redis, or have run. */
+export const REDIS_TIMEOUT_MESSAGE = 'Command timed out';
+
+/**
+ * `command`'s outcome, or a REDIS_TIMEOUT_MESSAGE error once `ms` have passed without one. The timeout's
+ * verdict waits for the next check phase of the event loop (setImmediate), after the sockets were read.
+ * When this process stalls (garbage collection, a cold start compiling code on a busy machine, SIGSTOP),
+ * its expired timers run before the poll phase reads what arrived meanwhile. A plain timer, like
+ * ioredis' `commandTimeout`, would then fail a command whose answer is already waiting in the socket,
+ * and the caller would get a 503 for nothing. (A stall longer than ioredis' backstop, twice `ms` in
+ * createRedis, still fails the commands in flight.)
+ */
+export function withTimeout<T>(command: Promise<T>, ms: number): Promise<T> {
+  return new Promise<T>((resolve, reject) => {
+    let settled = false;
+    const settle = (finish: () => void) => {
+      if (settled) return;
+      settled = true;
+      clearTimeout(timer);
+      finish();
+    };
+    const timer = setTimeout(() => setImmediate(() => settle(() => reject(new Error(REDIS_TIMEOUT_MESSAGE)))), ms);
+    command.then(
+      (value) => settle(() => resolve(value)),
+      (err: unknown) => settle(() => reject(err)),
+    );
+  });
+}
+
 export class EvictionPolicyError extends Error {}
 
 /** Refuses to run on a Redis that may evict keys: an evicted hold is a double allocation. */
-export async function assertNoEviction(redis: Redis): Promise<void> {
-  const info = await redis.info('memory');
+export async function assertNoEviction(redis: Redis, timeoutMs: number): Promise<void> {
+  const info = await withTimeout(redis.info('memory'), timeoutMs);
   const policy = /maxmemory_policy:(\S+)/.exec(info)?.[1];
   if (policy !== 'noeviction') {
     throw new EvictionPolicyError(
