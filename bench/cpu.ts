@@ -40,13 +40,14 @@ export function cpuSnapshot(groupOf: (pid: number, comm: string) => string | und
   return totals;
 }
 
-/** CPU microseconds per operation by group between two snapshots, e.g. "service 212 · postgres 140". */
+/** CPU microseconds per operation by group between two snapshots. */
 export function cpuPerOp(before: CpuSnapshot, after: CpuSnapshot, ops: number, order: string[]): Record<string, number> {
   const out: Record<string, number> = {};
   for (const group of order) out[group] = ops > 0 ? ((after.get(group) ?? 0) - (before.get(group) ?? 0)) / ops : 0;
   return out;
 }
 
+/** E.g. "server 284 · postgres 223 · redis 183 · load 50 (total 740)". */
 export function formatCpu(perOp: Record<string, number>): string {
   const entries = Object.entries(perOp);
   if (entries.every(([, us]) => us === 0)) return 'n/a';

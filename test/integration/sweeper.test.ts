@@ -24,7 +24,8 @@ describe('sweeper', () => {
     }
     const stats = async () => (await api.get('/v1/pools/bulk')).body.stats;
     expect(await stats()).toEqual({ total: n, free: 0, held: n, allocated: 0 });
-    await sleep(1200); // every hold has expired; the timer has not swept yet
+    await sleep(1200); // every hold has expired
+    expect((await stats()).free).toBe(0); // and the timer has not swept yet
 
     await api.app.get(SweeperService).tick();
 
