@@ -11,9 +11,10 @@ import { mkdtempSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { poolKeys } from '../../src/redis/keys.js';
-import { OwnRedis, TcpProxy, freePort } from '../support/services.js';
+import { OwnRedis, freePort } from '../support/services.js';
 import { FaultWindow, HoldSampler, check } from './checker.js';
 import { Traffic, buyer, reviewer } from './clients.js';
+import { ProxyProcess } from './proxy-process.js';
 import { ChaosPostgres, Instance } from './cluster.js';
 
 const FULL = process.argv.includes('--full');
@@ -60,7 +61,7 @@ async function main(): Promise<number> {
   say(`${FULL ? 'full' : 'short'} run; logs in ${workDir}`);
   const pg = await ChaosPostgres.create();
   const redis = await OwnRedis.start();
-  const proxy = await TcpProxy.start(redis.port);
+  const proxy = await ProxyProcess.start(redis.port);
   const env = {
     DATABASE_URL: pg.url,
     REDIS_URL: `redis://127.0.0.1:${proxy.port}`,
@@ -145,13 +146,13 @@ async function main(): Promise<number> {
       return { instance: 'b' };
     });
     await fault('pause an instance inside a confirm past the TTL (SIGSTOP/SIGCONT)', async () => {
-      await pauseScenario(a, b, c, pg.url);
+      await pauseScenario(a, b, c, pg.url, proxy);
       return { instance: 'a' };
     });
     await fault('slow Redis: latency, then dropped connections', async () => {
-      proxy.latencyMs = 20;
+      await proxy.setLatency(20);
       await sleep(4000);
-      proxy.latencyMs = 0;
+      await proxy.setLatency(0);
       await proxy.cut();
       await sleep(2000);
       await proxy.open();
@@ -171,7 +172,7 @@ async function main(): Promise<number> {
     say(`whole pool reservable again ${flowMs} ms after the load stopped (${flow.numbers} numbers, ${flow.tasks} tasks free)`);
 
     // Graceful shutdown: requests in flight when SIGTERM arrives are all answered, then the process exits 0.
-    proxy.latencyMs = 150;
+    await proxy.setLatency(150);
     const inFlight = Array.from({ length: 50 }, (_, i) =>
       api(c, 'POST', '/v1/pools/numbers/reservations', { owner: `sigterm-${i}`, count: 1 }).catch((err: Error) => ({
         status: 0,
@@ -181,7 +182,7 @@ async function main(): Promise<number> {
     await sleep(100);
     const shutdown = await c.terminate();
     const answered = await Promise.all(inFlight);
-    proxy.latencyMs = 0;
+    await proxy.setLatency(0);
     const unanswered = answered.filter((r) => r.status !== 201 && r.status !== 409);
     say(`SIGTERM with 50 requests in flight: exit code ${shutdown.code} after ${shutdown.ms} ms; ${50 - unanswered.length} answered`);
 
@@ -216,7 +217,7 @@ async function main(): Promise<number> {
     traffic.stopped = true;
     await Promise.all(instances.map((i) => i.stop().catch(() => undefined)));
     direct.disconnect();
-    await proxy.cut();
+    await proxy.stop();
     await redis.stop();
     pg.destroy();
   }
@@ -228,19 +229,23 @@ async function main(): Promise<number> {
  * meanwhile another client reserves and confirms the same item; once resumed, the paused confirm must
  * fail (the version check fences it) and never allocate.
  */
-async function pauseScenario(a: Instance, b: Instance, c: Instance, databaseUrl: string): Promise<void> {
+async function pauseScenario(a: Instance, b: Instance, c: Instance, databaseUrl: string, proxy: ProxyProcess): Promise<void> {
   const pg = (await import('pg')).default;
   for (let attempt = 1; attempt <= 5; attempt++) {
     const r = await api(b, 'POST', '/v1/pools/pause/reservations', { owner: 'paused-buyer', ttlMs: 1500 });
     if (r.status !== 201) throw new Error(`pause scenario: reserve ${r.status} ${JSON.stringify(r.body)}`);
     const id = r.body.items[0].resourceId;
+    // Redis answers slowly for a moment, so the confirm (two scripts, each a round trip through the proxy)
+    // is still in flight when the instance is stopped.
+    await proxy.setLatency(25);
     const paused = fetch(`${a.url}/v1/reservations/${r.body.id}/confirm`, {
       method: 'POST',
       headers: { 'content-type': 'application/json' },
       body: JSON.stringify({ resourceIds: [id] }),
     }).then(async (res) => ({ status: res.status, body: (await res.json()) as any }));
-    await sleep(2 + attempt);
+    await sleep(5 + 5 * attempt);
     a.pause();
+    await proxy.setLatency(0);
     // Longer than the TTL and the commit window: the sweepers of b and c hand the item back.
     let rival: { status: number; body: any } | undefined;
     const until = Date.now() + 10_000;
