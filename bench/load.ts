@@ -1,5 +1,4 @@
 import { Pool } from 'undici';
-import { cpuPerOp, cpuSnapshot } from './cpu.js';
 
 export interface LoadResult {
   /** Completed operations per second (an operation may be several requests, see `op`). */
@@ -11,7 +10,7 @@ export interface LoadResult {
   p50: number;
   p99: number;
   latency: Record<string, { p50: number; p99: number }>;
-  /** CPU µs per operation by process group over the timed part, when the run was given a `CpuProbe`. */
+  /** CPU µs per operation by process group over the timed part, when the wrk run was given a `CpuProbe`. */
   cpu?: Record<string, number>;
 }
 
@@ -53,7 +52,6 @@ export async function runLoad(
   durationMs: number,
   op: () => Promise<string | { label: string; ms: number }>,
   warmupMs = 1000,
-  probe?: CpuProbe,
 ): Promise<LoadResult> {
   const samples: { label: string; ms: number }[] = [];
   let measuring = false;
@@ -77,12 +75,10 @@ export async function runLoad(
   });
   await new Promise((r) => setTimeout(r, warmupMs));
   measuring = true;
-  const cpuBefore = probe && cpuSnapshot(probe.groupOf);
   const started = performance.now();
   await new Promise((r) => setTimeout(r, durationMs));
   stop = true;
   const elapsed = performance.now() - started;
-  const cpuAfter = probe && cpuSnapshot(probe.groupOf);
   await Promise.all(loops);
   const all = samples.map((s) => s.ms).sort((a, b) => a - b);
   const byStatus: Record<string, number> = {};
@@ -104,7 +100,6 @@ export async function runLoad(
     p50: percentile(all, 50),
     p99: percentile(all, 99),
     latency,
-    cpu: probe && cpuPerOp(cpuBefore!, cpuAfter!, samples.length, probe.order),
   };
 }
 

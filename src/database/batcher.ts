@@ -31,8 +31,9 @@ export class Batcher<T, R> {
       const waiting: Waiting<T, R> = { item, resolve, reject };
       this.queue.push(waiting);
       this.pump();
-      // Still queued: every batch slot is busy. Only then does it need a deadline.
-      if (this.queue.includes(waiting)) {
+      // Still queued (pump takes from the front, this item is the last): every batch slot is busy. Only
+      // then does it need a deadline.
+      if (this.queue.length > 0) {
         waiting.timer = setTimeout(() => {
           const at = this.queue.indexOf(waiting);
           if (at < 0) return;

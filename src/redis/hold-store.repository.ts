@@ -320,7 +320,7 @@ export class HoldStore implements OnApplicationShutdown {
 
   /** Drops the item cache of key layout 1 (one hash a pool), if an older version left it behind. */
   async dropLegacyItemCache(pool: string): Promise<void> {
-    await this.command(() => this.redis.unlink(`${poolKeys(this.prefix, pool).base}item`));
+    await this.command(() => this.redis.unlink(poolKeys(this.prefix, pool).legacyItems));
   }
 
   async freeCount(pool: string): Promise<number> {

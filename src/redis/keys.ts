@@ -13,6 +13,8 @@ export const poolKeys = (prefix: string, pool: string) => {
     free: `${base}free`,
     /** The hash caching this item while it is unallocated (ids in buckets of 100, see _lib.lua). */
     itemBucket: (resourceId: string) => `${base}item:${resourceId.slice(0, -2) || '0'}`,
+    /** Key layout 1's item cache, one hash a pool; dropped when found (see HoldStore.dropLegacyItemCache). */
+    legacyItems: `${base}item`,
     expiries: `${base}exp`,
     generation: `${base}gen`,
     hold: (resourceId: string) => `${base}h:${resourceId}`,
@@ -24,7 +26,7 @@ export const poolKeys = (prefix: string, pool: string) => {
  * Version of the key layout below. A new layout renames the marker, so an instance of the new version
  * finds no marker and rebuilds Redis from Postgres as after a wipe (2: item cache in buckets of 100).
  */
-export const KEY_LAYOUT = 2;
+const KEY_LAYOUT = 2;
 
 /** Present while Redis holds state rebuilt from Postgres; its absence means Redis was wiped. */
 export function markerKey(prefix: string): string {

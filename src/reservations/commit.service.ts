@@ -44,8 +44,8 @@ export class CommitService {
     switch (pin.status) {
       case 'missing': {
         // Redis no longer knows it (wiped, or retention over): Postgres knows every commit.
-        const row = await this.commits.find(reservationId);
-        if (row) return sameSelection(row.body as unknown as CommitOutcome, selection);
+        const committed = await this.landedCommit(reservationId);
+        if (committed) return sameSelection(committed, selection);
         throw notFound(reservationId);
       }
       case 'closed':
@@ -136,7 +136,7 @@ export class CommitService {
   }
 
   /** The reservation's commit as Postgres recorded it, or null. */
-  private async landedCommit(reservationId: string): Promise<CommitOutcome | null> {
+  async landedCommit(reservationId: string): Promise<CommitOutcome | null> {
     const row = await this.commits.find(reservationId);
     return row ? (row.body as unknown as CommitOutcome) : null;
   }

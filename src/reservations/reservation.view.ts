@@ -1,6 +1,6 @@
-import { StoredReservation } from '../redis/hold-store.repository.js';
+import { CachedItem, StoredReservation } from '../redis/hold-store.repository.js';
 import { CommitOutcome } from './commit.service.js';
-import { ConfirmResultDto, ReservationDto, ReservationState } from './reservation.dto.js';
+import { ConfirmResultDto, ReservationDto, ReservationItemDto, ReservationState } from './reservation.dto.js';
 
 /** The API state of a stored reservation, judged on the Redis clock. */
 export function apiState(r: Pick<StoredReservation, 'state' | 'expiresMs' | 'nowMs'>): ReservationState {
@@ -14,13 +14,18 @@ export function apiState(r: Pick<StoredReservation, 'state' | 'expiresMs' | 'now
   }
 }
 
+/** An item as a reservation shows it; the cache leaves empty attributes out. */
+function toItemDto(i: CachedItem): ReservationItemDto {
+  return { resourceId: i.id, value: i.v, version: i.n, attributes: i.a ?? {} };
+}
+
 export function toReservationDto(pool: string, r: StoredReservation): ReservationDto {
   const dto: ReservationDto = {
     id: r.id,
     pool,
     owner: r.owner,
     state: apiState(r),
-    items: r.items.map((i) => ({ resourceId: i.id, value: i.v, version: i.n, attributes: i.a ?? {} })),
+    items: r.items.map(toItemDto),
     expiresAt: new Date(r.expiresMs).toISOString(),
   };
   if (r.state === 'confirmed' && r.outcome) {
@@ -38,7 +43,7 @@ export function committedReservationDto(pool: string, id: string, outcome: Commi
     pool,
     owner: outcome.owner,
     state: 'confirmed',
-    items: outcome.items.map((i) => ({ resourceId: i.id, value: i.v, version: i.n, attributes: i.a ?? {} })),
+    items: outcome.items.map(toItemDto),
     expiresAt: new Date(outcome.expiresMs).toISOString(),
     allocated: outcome.allocated,
     released: outcome.released,

@@ -3,12 +3,11 @@ import { randomUUID } from 'node:crypto';
 import { DomainError, ErrorCode } from '../common/errors.js';
 import { bodyHash } from '../common/stable-json.js';
 import { PoolEntity } from '../database/entities.js';
-import { CommitRepository } from '../database/commit.repository.js';
 import { MetricsService } from '../metrics/metrics.service.js';
 import { PoolCatalog } from '../pools/pool-catalog.service.js';
 import { HoldStore, ReserveRequest, StoredReservation } from '../redis/hold-store.repository.js';
 import { makeReservationId, poolOfReservationId } from '../redis/keys.js';
-import { CommitOutcome, CommitService, notFound } from './commit.service.js';
+import { CommitService, notFound } from './commit.service.js';
 import { ConfirmResultDto, CreateReservationDto, ReservationDto } from './reservation.dto.js';
 import { committedReservationDto, toConfirmResult, toReservationDto } from './reservation.view.js';
 
@@ -46,7 +45,6 @@ export class ReservationsService {
   constructor(
     private readonly catalog: PoolCatalog,
     private readonly holds: HoldStore,
-    private readonly commits: CommitRepository,
     private readonly committer: CommitService,
     private readonly metrics: MetricsService,
   ) {}
@@ -103,8 +101,8 @@ export class ReservationsService {
     const pool = await poolOf(this.catalog, id);
     const stored = await this.holds.read(pool.name, id);
     if (stored) return toReservationDto(pool.name, stored);
-    const row = await this.commits.find(id);
-    if (row) return committedReservationDto(pool.name, id, row.body as unknown as CommitOutcome);
+    const committed = await this.committer.landedCommit(id);
+    if (committed) return committedReservationDto(pool.name, id, committed);
     throw notFound(id);
   }
 
@@ -149,18 +147,17 @@ export class ReservationsService {
       result = await this.holds.release(pool.name, id, result.epoch);
     }
     switch (result.status) {
-      case 'undecided':
-        throw new DomainError(ErrorCode.RESERVATION_CLOSED, 'a confirm of this reservation is in progress', { id });
       case 'released':
         return result.reservation;
       case 'confirmed':
         throw new DomainError(ErrorCode.RESERVATION_CLOSED, 'the reservation is confirmed; release its items one by one instead', {
           id,
         });
+      case 'undecided':
       case 'busy':
         throw new DomainError(ErrorCode.RESERVATION_CLOSED, 'a confirm of this reservation is in progress', { id });
       case 'missing': {
-        if (await this.commits.find(id)) {
+        if (await this.committer.landedCommit(id)) {
           throw new DomainError(ErrorCode.RESERVATION_CLOSED, 'the reservation is confirmed', { id });
         }
         throw notFound(id);

@@ -13,14 +13,14 @@
 --          | {"confirmed", ...same} (already committed) | {"missing"} | {"closed"} | {"notin", id} | {"lost", id}
 local base, rid, window, selection = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
 local rkey = base .. 'r:' .. rid
-local f = redis.call('HMGET', rkey, 's', 'pw', 'sel')
+local f = redis.call('HMGET', rkey, 's', 'pw', 'sel', 'i')
 local state = f[1]
 local now = now_ms()
 if not state then return { 'missing' } end
 if state == 'confirmed' then return reservation_reply('confirmed', rid, rkey, now) end
 if state == 'released' then return { 'closed' } end
 
-local items = decode_items(redis.call('HGET', rkey, 'i'))
+local items = decode_items(f[4])
 local by_id = {}
 for _, item in ipairs(items) do by_id[item.id] = item end
 local selected = {}
@@ -30,23 +30,24 @@ for id in string.gmatch(selection, '[^,]+') do
 end
 
 -- Check everything before changing anything.
-for _, item in ipairs(selected) do
-  local holder = redis.call('GET', base .. 'h:' .. item.id)
-  if holder and holder ~= rid then return { 'lost', item.id } end
+local holders = {}
+for i, item in ipairs(selected) do
+  holders[i] = redis.call('GET', base .. 'h:' .. item.id)
+  if holders[i] and holders[i] ~= rid then return { 'lost', item.id } end
 end
 
 if state ~= 'confirming' or tonumber(f[2] or 0) <= now or f[3] ~= selection then redis.call('HINCRBY', rkey, 'ep', 1) end
 redis.call('HSET', rkey, 's', 'confirming', 'sel', selection, 'pw', now + window)
 redis.call('ZADD', base .. 'exp', now + window, rid)
-redis.call('PEXPIRE', rkey, window + tonumber(redis.call('PTTL', rkey)))
+local keep = window + tonumber(redis.call('PTTL', rkey))
+redis.call('PEXPIRE', rkey, keep)
 -- From now on Postgres may commit these items at any moment, until the epoch is decided. Their holds
 -- therefore last as long as the reservation record: they end when the decision is applied (finish, or
 -- abort), never on their own; an item unheld while its commit is undecided could be put back in the
 -- free index by a rebuild page read before the commit.
-local keep = tonumber(redis.call('PTTL', rkey))
-for _, item in ipairs(selected) do
+for i, item in ipairs(selected) do
   local hkey = base .. 'h:' .. item.id
-  if redis.call('GET', hkey) ~= rid then
+  if holders[i] ~= rid then
     -- The hold expired. Nobody else holds the item: take it back (out of the free index if the
     -- sweeper already returned it); the version check in Postgres decides whether it is still ours.
     unindex(base, item)

@@ -7,12 +7,12 @@
 --          | {"undecided", epoch} | {"missing"}
 local base, rid, retention, decided = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
 local rkey = base .. 'r:' .. rid
-local state = redis.call('HGET', rkey, 's')
+local f = redis.call('HMGET', rkey, 's', 'ep')
+local state, epoch = f[1], f[2]
 local now = now_ms()
 if not state then return { 'missing' } end
 if state == 'confirmed' then return reservation_reply('confirmed', rid, rkey, now) end
 if state == 'confirming' then return { 'busy' } end
-local epoch = redis.call('HGET', rkey, 'ep')
 if state == 'held' and epoch and epoch ~= decided then return { 'undecided', epoch } end
 if state ~= 'released' then
   local items = decode_items(redis.call('HGET', rkey, 'i'))
