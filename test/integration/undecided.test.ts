@@ -109,7 +109,7 @@ describe('commits whose outcome the caller never saw', () => {
     const other = r2.body.items[0].resourceId;
     const stalled = await stalledConfirm(api, 'retried-api', r2.body.id, other, 200);
     await sleep(300);
-    await api.app.get(ResourceRepository).decideAbort(r2.body.id, stalled.pinned.reservation.epoch);
+    expect(await api.app.get(ResourceRepository).decideAbort(r2.body.id, stalled.pinned.reservation.epoch)).toBe('abort');
     const confirmed = await api.post(`/v1/reservations/${r2.body.id}/confirm`, { resourceIds: [other] });
     expect(confirmed.status, JSON.stringify(confirmed.body)).toBe(200);
     expect(
