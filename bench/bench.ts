@@ -149,6 +149,28 @@ async function main(): Promise<void> {
       runLoad(CONNECTIONS, RUN_MS, async () => String((await ceilingHttp.call('POST', '/reserve', {})).status)),
     );
 
+    // Two floors for the reserve latency, with the loader that judges it: a Fastify endpoint that answers
+    // without Redis, and the least a TTL-hold reserve of 3 can do in Redis (bench/ceiling.ts).
+    const floorOf = async (mode: 'floor' | 'minimal') => {
+      const floorPort = await freePort();
+      const child = startProcess(['dist/bench/bench/ceiling.js', mode, String(floorPort), REDIS_URL, PREFIX]);
+      children.push(child);
+      await waitHttp(`http://127.0.0.1:${floorPort}/`);
+      if (mode === 'minimal') {
+        for (let i = 0; i < 100_000; i += 10_000)
+          await redis.sadd(`${PREFIX}{minimal}:free`, ...Array.from({ length: 10_000 }, (_, j) => String(i + j + 1)));
+      }
+      const floorHttp = client(`http://127.0.0.1:${floorPort}`, CONNECTIONS);
+      const result = await repeat(`${mode}, Node load generator`, () =>
+        runLoad(CONNECTIONS, RUN_MS, async () => String((await floorHttp.call('POST', '/reserve', {})).status)),
+      );
+      await floorHttp.close();
+      child.kill('SIGTERM');
+      return result;
+    };
+    const floor = await floorOf('floor');
+    const minimal = await floorOf('minimal');
+
     // Reserve, count 3, on a 100,000-item pool (holds of 1 s, returned by the sweeper).
     await createPool('reserve', 'number', 100_000);
     let rssPeak = 0;
@@ -199,6 +221,9 @@ async function main(): Promise<void> {
       'p99 ≤ 15 ms',
       reserveNode.p99 <= 15,
     );
+    const floorCell = (r: LoadResult) => `${r.rps.toFixed(0)} req/s · ${r.p50.toFixed(2)} / ${r.p99.toFixed(2)}`;
+    record('floor: Fastify, fixed answer, no Redis: req/s · p50 / p99 ms', floorCell(floor), '', '', '', null);
+    record('floor: minimal TTL-hold reserve of 3 (SPOP, holds, expiry): req/s · p50 / p99 ms', floorCell(minimal), '', '', '', null);
     record(
       'reserve p50 / p99 by wrk (corrected for coordinated omission), ms',
       `${reserve.p50.toFixed(2)} / ${reserve.p99.toFixed(2)}`,
@@ -483,6 +508,11 @@ ${table}
 What is measured:
 - **ceiling**: a bare Fastify endpoint (\`bench/ceiling.ts\`) running the same single EVALSHA as respool's reserve
   (count 3), on its own 100,000-item pool;
+- **floors** for the reserve latency, measured with the Node loader that judges it (\`bench/ceiling.ts\`): a Fastify
+  endpoint that answers a fixed reservation-sized JSON without touching Redis, and a *minimal* TTL-hold reserve of 3:
+  one EVALSHA that pops 3 ids from a Redis set and writes a hold key each, the reservation and its expiry entry,
+  with a sweep that returns expired ones (none of respool's prefix or attribute search, quotas, idempotency or
+  generation check). They show what latency this machine gives such a design at 100 connections at all;
 - **reserve**: \`POST /v1/pools/{pool}/reservations\` with count 3 and 1 s holds on a 100,000-item pool;
 - **confirm**: \`POST /v1/reservations/{id}/confirm\` choosing 1 of 3 held items (the other two are released), on
   reservations made just before the timed run; **cycle**: each operation reserves 3 and then confirms 1, both timed.
