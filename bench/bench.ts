@@ -143,7 +143,14 @@ async function main(): Promise<void> {
     const ceilingUrl = `http://127.0.0.1:${ceilingPort}`;
     const ceilingProcess = children[children.length - 1];
     const ceiling = await repeat('ceiling (bare Fastify + reserve EVALSHA)', () =>
-      runWrk(ceilingUrl, CONNECTIONS, RUN_MS, { request: { method: 'POST', path: '/reserve', body: {} } }, 1000, probeOf(ceilingProcess.pid!)),
+      runWrk(
+        ceilingUrl,
+        CONNECTIONS,
+        RUN_MS,
+        { request: { method: 'POST', path: '/reserve', body: {} } },
+        1000,
+        probeOf(ceilingProcess.pid!),
+      ),
     );
     const ceilingNode = await repeat('ceiling, Node load generator', () =>
       runLoad(CONNECTIONS, RUN_MS, async () => String((await ceilingHttp.call('POST', '/reserve', {})).status)),
