@@ -14,12 +14,15 @@ import { Redis } from 'ioredis';
 import { deleteKeys, freePort, serviceArgs } from '../test/support/services.js';
 import { poolKeys } from '../src/redis/keys.js';
 import { formatCpu } from './cpu.js';
-import { CpuProbe, LoadResult, client, median, runLoad } from './load.js';
+import { CpuProbe, LoadResult, client, median, pooled, runLoad } from './load.js';
 import { WRK_THREADS, ensureWrk, requestsFile, runWrk } from './wrk.js';
 
 const QUICK = process.argv.includes('--quick');
 const RUN_MS = QUICK ? 2000 : 5000;
 const REPEAT = QUICK ? 1 : 3;
+/** Growth: each size is measured in this many interleaved slices (the same time in all as REPEAT runs). */
+const GROWTH_SLICES = QUICK ? 2 : 6;
+const GROWTH_SLICE_MS = (RUN_MS * REPEAT) / GROWTH_SLICES;
 /** Reservations confirmed in the unmeasured second before each timed confirm run. */
 const WARMUP_CONFIRMS = 8_000;
 const CONNECTIONS = 100;
@@ -412,27 +415,34 @@ async function main(): Promise<void> {
       say(`growth-${size}: imported in ${seconds.toFixed(1)} s, Redis +${((after - before) / size).toFixed(0)} bytes/item`);
     }
     // Settle what the imports left to do (autovacuum, a checkpoint) before any size is measured, then
-    // take the sizes in turn, round after round, so background noise falls on all of them alike. The
-    // same load on every size: each loop reserves 1 (timed) and releases it at once (not timed), so even
-    // the smallest pool never runs dry.
+    // take the sizes in turn, in short slices round after round, so background noise and drift fall on
+    // all of them alike; each size's percentiles are over all of its slices' samples together. The same
+    // load on every size: each loop reserves 1 (timed) and releases it at once (not timed), so even the
+    // smallest pool never runs dry.
     await sql.query('VACUUM ANALYZE t_resource');
     await sql.query('CHECKPOINT');
     const rounds = new Map<number, LoadResult[]>(sizes.map((size) => [size, []]));
-    for (let round = 0; round < REPEAT; round++) {
+    for (let round = 0; round < GROWTH_SLICES; round++) {
       for (const size of sizes) {
         rounds.get(size)!.push(
-          await runLoad(CONNECTIONS, RUN_MS, async () => {
-            const t0 = performance.now();
-            const r = await call('POST', `/v1/pools/growth-${size}/reservations`, { owner: 'g', count: 1, ttlMs: 1000 });
-            const ms = performance.now() - t0;
-            if (r.status === 201) await call('DELETE', `/v1/reservations/${r.body.id}`);
-            return { label: String(r.status), ms };
-          }),
+          await runLoad(
+            CONNECTIONS,
+            GROWTH_SLICE_MS,
+            async () => {
+              const t0 = performance.now();
+              const r = await call('POST', `/v1/pools/growth-${size}/reservations`, { owner: 'g', count: 1, ttlMs: 1000 });
+              const ms = performance.now() - t0;
+              if (r.status === 201) await call('DELETE', `/v1/reservations/${r.body.id}`);
+              return { label: String(r.status), ms };
+            },
+            500,
+            true,
+          ),
         );
       }
     }
     const growth = sizes.map((size) => {
-      const r = median(rounds.get(size)!);
+      const r = pooled(rounds.get(size)!);
       say(
         `reserve(1) on ${size} items: ${r.rps.toFixed(0)}/s p50 ${r.p50.toFixed(2)} ms p99 ${r.p99.toFixed(2)} ms ${JSON.stringify(r.byStatus)}`,
       );
@@ -504,7 +514,7 @@ Load generators: [wrk](https://github.com/wg/wrk) (${WRK_THREADS} threads) for t
 reserve, confirm, classic); the bench's own Node loop (undici) for those made of dependent requests (cycle, pull +
 complete, contention, growth) and for the ceiling and reserve once more: wrk corrects its latencies for coordinated
 omission (it adds the samples of requests it could not send on schedule), so the reserve latency target is judged on
-the Node loader's raw latencies, and wrk's are shown beside them. Each figure is the median of
+the Node loader's raw latencies, and wrk's are shown beside them. Each figure but growth's (see below) is the median of
 ${REPEAT} runs of ${RUN_MS / 1000} s after a 1 s warm-up, at ${CONNECTIONS} connections unless the row says otherwise. The machine is
 shared and noisy: read ratios, not absolutes.
 
@@ -538,7 +548,9 @@ What is measured:
 - **contention**: 1,000 concurrent clients reserving 1 of a 100-item pool (1 s holds);
 - **growth**: reserve(1) latency on pools of 1,000 / 100,000 / 1,000,000 items at the same 100 connections, each
   reserve followed by an untimed release so no pool runs dry; all three are imported first (then \`VACUUM ANALYZE\`
-  and a checkpoint), and measured in turn, round after round; import time of the largest through the API; Redis
+  and a checkpoint), and measured in turn, in ${GROWTH_SLICES} slices of ${GROWTH_SLICE_MS / 1000} s each (after 0.5 s of warm-up) round after
+  round, each size's p50 and p99 taken over all of its slices' samples together (not a median of runs: the
+  interleaved slices let the machine's drift fall on every size alike); import time of the largest through the API; Redis
   \`used_memory\` growth per imported item; peak RSS of the service process during the reserve runs.
 
 ${readFileSync('bench/analysis.md', 'utf8')}`,

@@ -10,6 +10,8 @@ export interface LoadResult {
   p50: number;
   p99: number;
   latency: Record<string, { p50: number; p99: number }>;
+  /** Every operation's latency (ms), when `runLoad` was asked to keep them. */
+  samples?: number[];
   /** CPU µs per operation by process group over the timed part, when the wrk run was given a `CpuProbe`. */
   cpu?: Record<string, number>;
 }
@@ -52,6 +54,7 @@ export async function runLoad(
   durationMs: number,
   op: () => Promise<string | { label: string; ms: number }>,
   warmupMs = 1000,
+  keepSamples = false,
 ): Promise<LoadResult> {
   const samples: { label: string; ms: number }[] = [];
   let measuring = false;
@@ -100,6 +103,27 @@ export async function runLoad(
     p50: percentile(all, 50),
     p99: percentile(all, 99),
     latency,
+    ...(keepSamples ? { samples: all } : {}),
+  };
+}
+
+/**
+ * Several runs taken as one: throughput over their summed time, percentiles over all their samples
+ * (each run must have kept its samples).
+ */
+export function pooled(results: LoadResult[]): LoadResult {
+  const all = results.flatMap((r) => r.samples ?? []).sort((a, b) => a - b);
+  const durationMs = results.reduce((sum, r) => sum + r.durationMs, 0);
+  const byStatus: Record<string, number> = {};
+  for (const r of results) for (const [label, n] of Object.entries(r.byStatus)) byStatus[label] = (byStatus[label] ?? 0) + n;
+  return {
+    rps: (all.length / durationMs) * 1000,
+    ops: all.length,
+    durationMs,
+    byStatus,
+    p50: percentile(all, 50),
+    p99: percentile(all, 99),
+    latency: {},
   };
 }
 
