@@ -14,7 +14,7 @@ import { Redis } from 'ioredis';
 import { deleteKeys, freePort, serviceArgs } from '../test/support/services.js';
 import { poolKeys } from '../src/redis/keys.js';
 import { formatCpu } from './cpu.js';
-import { CpuProbe, LoadResult, client, median, pooled, runLoad } from './load.js';
+import { Call, CpuProbe, LoadResult, client, median, pooled, runLoad } from './load.js';
 import { WRK_THREADS, ensureWrk, requestsFile, runWrk } from './wrk.js';
 
 const QUICK = process.argv.includes('--quick');
@@ -163,12 +163,12 @@ async function main(): Promise<void> {
     // without Redis, and the least a TTL-hold reserve of 3 can do in Redis (bench/ceiling.ts).
     const floorOf = async (mode: 'floor' | 'minimal') => {
       const floorPort = await freePort();
-      const child = startProcess(['dist/bench/bench/ceiling.js', mode, String(floorPort), REDIS_URL, PREFIX]);
+      const child = startProcess(['dist/bench/bench/ceiling.js', mode, String(floorPort), REDIS_URL, PREFIX, DB_URL]);
       children.push(child);
       await waitHttp(`http://127.0.0.1:${floorPort}/`);
       if (mode === 'minimal') {
         for (let i = 0; i < 100_000; i += 10_000)
-          await redis.sadd(`${PREFIX}{minimal}:free`, ...Array.from({ length: 10_000 }, (_, j) => String(i + j + 1)));
+          await redis.sadd(`${PREFIX}{minimal}:free`, ...Array.from({ length: 10_000 }, (_, j) => `${i + j + 1}:0`));
       }
       const floorHttp = client(`http://127.0.0.1:${floorPort}`, CONNECTIONS);
       const result = await repeat(`${mode}, Node load generator`, () =>
@@ -257,33 +257,55 @@ async function main(): Promise<void> {
     // Confirm 1 of 3 (the rest released). "confirm": POST /confirm on reservations of 3 made just before
     // the timed run (the buyer already holds them); "cycle": reserve 3 then confirm 1, both timed.
     await createPool('confirm', 'number', QUICK ? 200_000 : 400_000);
-    const confirmOnly = await repeat('respool confirm(1 of 3), reservations made before', async () => {
+    // One confirm run: reservations of 3 made just before, then the confirms of 1 of each under wrk.
+    const confirmRun = async (target: {
+      url: string;
+      call: Call;
+      reserve: { path: string; body: unknown };
+      confirmPath: (id: string) => string;
+      releasePath: (id: string) => string;
+      pid: number;
+      warmup: number;
+      timed: number;
+    }): Promise<LoadResult> => {
       const ready: { id: string; item: string }[] = [];
-      const target = WARMUP_CONFIRMS + (QUICK ? 20_000 : 50_000);
+      const wanted = target.warmup + target.timed;
       await Promise.all(
         Array.from({ length: CONNECTIONS }, async () => {
-          while (ready.length < target) {
-            const r = await call('POST', '/v1/pools/confirm/reservations', { owner: 'buyer', count: 3, ttlMs: 600_000 });
+          while (ready.length < wanted) {
+            const r = await target.call('POST', target.reserve.path, target.reserve.body);
             if (r.status !== 201) throw new Error(`reserve for the confirm run: ${r.status}`);
             ready.push({ id: r.body.id, item: r.body.items[0].resourceId });
           }
         }),
       );
       const confirms = (list: typeof ready) =>
-        requestsFile(list.map((r) => ({ method: 'POST', path: `/v1/reservations/${r.id}/confirm`, body: { resourceIds: [r.item] } })));
+        requestsFile(list.map((r) => ({ method: 'POST', path: target.confirmPath(r.id), body: { resourceIds: [r.item] } })));
       // Warm-up on reservations of its own, then the timed run on the rest.
-      const warmup = confirms(ready.slice(0, WARMUP_CONFIRMS));
-      await runWrk(url, CONNECTIONS, 1000, { requestsFile: warmup });
-      const file = confirms(ready.slice(WARMUP_CONFIRMS));
-      const result = await runWrk(url, CONNECTIONS, RUN_MS, { requestsFile: file }, 0, probeOf(service.pid!));
+      const warmup = confirms(ready.slice(0, target.warmup));
+      await runWrk(target.url, CONNECTIONS, 1000, { requestsFile: warmup });
+      const file = confirms(ready.slice(target.warmup));
+      const result = await runWrk(target.url, CONNECTIONS, RUN_MS, { requestsFile: file }, 0, probeOf(target.pid));
       rmSync(warmup);
       rmSync(file);
-      // Give back what the run did not use (their confirm answers 409 RESERVATION_CLOSED or 200 for the
-      // confirmed ones), so the next run starts from the same pool.
+      // Give back what the run did not use (the confirmed ones are left as they are), so the next run
+      // starts from the same pool.
       for (let i = 0; i < ready.length; i += CONNECTIONS)
-        await Promise.all(ready.slice(i, i + CONNECTIONS).map((r) => call('DELETE', `/v1/reservations/${r.id}`)));
+        await Promise.all(ready.slice(i, i + CONNECTIONS).map((r) => target.call('DELETE', target.releasePath(r.id))));
       return result;
-    });
+    };
+    const confirmOnly = await repeat('respool confirm(1 of 3), reservations made before', () =>
+      confirmRun({
+        url,
+        call,
+        reserve: { path: '/v1/pools/confirm/reservations', body: { owner: 'buyer', count: 3, ttlMs: 600_000 } },
+        confirmPath: (id) => `/v1/reservations/${id}/confirm`,
+        releasePath: (id) => `/v1/reservations/${id}`,
+        pid: service.pid!,
+        warmup: WARMUP_CONFIRMS,
+        timed: QUICK ? 20_000 : 50_000,
+      }),
+    );
     const confirm = await repeat('respool cycle: reserve(3) + confirm(1)', () =>
       runLoad(CONNECTIONS, RUN_MS, async () => {
         const r = await call('POST', '/v1/pools/confirm/reservations', { owner: 'buyer', count: 3, ttlMs: 60_000 });
@@ -295,6 +317,8 @@ async function main(): Promise<void> {
     // The classic design at the same concurrency: random free row + version-checked UPDATE, retry on conflict.
     await createPool('classic', 'number', 100_000);
     const sql = new pg.Client({ connectionString: DB_URL });
+    // Should a step fail, the clean-up below drops the database under this client: that must not hide the failure.
+    sql.on('error', () => undefined);
     await sql.connect();
     const ids = (
       await sql.query(
@@ -315,7 +339,36 @@ async function main(): Promise<void> {
         probeOf(classicProcess.pid!),
       ),
     );
+    // The floor for confirm: DESIGN.md's mechanism at its barest (bench/ceiling.ts, mode minimal), on
+    // rows of its own pool, measured like respool's confirm.
+    await createPool('floor', 'number', QUICK ? 200_000 : 400_000);
+    const floorRows = await sql.query<{ id: string; version: number }>(
+      `SELECT r.id::text AS id, r.version FROM t_resource r JOIN t_pool p ON p.id = r.pool_id WHERE p.name = 'floor'`,
+    );
+    const floorPrefix = `${PREFIX}confirm-floor:`;
+    for (let i = 0; i < floorRows.rows.length; i += 10_000)
+      await redis.sadd(`${floorPrefix}{minimal}:free`, ...floorRows.rows.slice(i, i + 10_000).map((r) => `${r.id}:${r.version}`));
+    const floorPort = await freePort();
+    const floorProcess = startProcess(['dist/bench/bench/ceiling.js', 'minimal', String(floorPort), REDIS_URL, floorPrefix, DB_URL]);
+    children.push(floorProcess);
+    await waitHttp(`http://127.0.0.1:${floorPort}/`);
+    const floorHttp = client(`http://127.0.0.1:${floorPort}`, CONNECTIONS);
+    const floorConfirm = await repeat('floor: minimal confirm(1 of 3)', () =>
+      confirmRun({
+        url: `http://127.0.0.1:${floorPort}`,
+        call: floorHttp.call,
+        reserve: { path: '/reserve', body: { ttlMs: 600_000 } },
+        confirmPath: (id) => `/reserve/${id}/confirm`,
+        releasePath: (id) => `/reserve/${id}`,
+        pid: floorProcess.pid!,
+        warmup: 2 * WARMUP_CONFIRMS,
+        timed: QUICK ? 40_000 : 100_000,
+      }),
+    );
+    await floorHttp.close();
+    floorProcess.kill('SIGTERM');
     const confirmsPerSec = confirmOnly.rps * ((confirmOnly.byStatus['2xx'] ?? 0) / confirmOnly.ops);
+    const floorConfirmsPerSec = floorConfirm.rps * ((floorConfirm.byStatus['2xx'] ?? 0) / floorConfirm.ops);
     const cyclesPerSec = confirm.rps * ((confirm.byStatus['200'] ?? 0) / confirm.ops);
     record(
       'confirm (1 of 3, rest released), confirms/s',
@@ -334,6 +387,15 @@ async function main(): Promise<void> {
       null,
     );
     record('CPU per confirm by process, µs', cpuCell(confirmOnly), `classic ${cpuCell(classic)}`, '', '', null);
+    record(
+      'floor: minimal confirm (pin, group-committed UPDATE + history row, finish), confirms/s',
+      floorConfirmsPerSec.toFixed(0),
+      `classic ${classic.rps.toFixed(0)}`,
+      `${(floorConfirmsPerSec / classic.rps).toFixed(2)}×`,
+      '',
+      null,
+    );
+    record('floor: CPU per minimal confirm by process, µs', cpuCell(floorConfirm), '', '', '', null);
     record(
       'cycle: reserve 3 + confirm 1, per second',
       cyclesPerSec.toFixed(0),
@@ -525,11 +587,16 @@ ${table}
 What is measured:
 - **ceiling**: a bare Fastify endpoint (\`bench/ceiling.ts\`) running the same single EVALSHA as respool's reserve
   (count 3), on its own 100,000-item pool;
-- **floors** for the reserve latency, measured with the Node loader that judges it (\`bench/ceiling.ts\`): a Fastify
-  endpoint that answers a fixed reservation-sized JSON without touching Redis, and a *minimal* TTL-hold reserve of 3:
-  one EVALSHA that pops 3 ids from a Redis set and writes a hold key each, the reservation and its expiry entry,
-  with a sweep that returns expired ones (none of respool's prefix or attribute search, quotas, idempotency or
-  generation check). They show what latency this machine gives such a design at 100 connections at all;
+- **floors** (\`bench/ceiling.ts\`): what this machine gives a design of this kind at all, at 100 connections. For
+  reserve, measured with the Node loader that judges its latency: a Fastify endpoint that answers a fixed
+  reservation-sized JSON without touching Redis; and DESIGN.md's mechanism at its barest (*minimal*): one EVALSHA that
+  pops 3 items from a Redis set and writes a hold key each, the reservation and its expiry entry, with a sweep that
+  returns expired ones. For confirm, measured like respool's confirm: the same minimal server checks and pins the
+  holds (one EVALSHA), group-commits the version-checked \`UPDATE\` of the chosen item and its history row (one
+  statement for all the confirms that arrive while earlier batches are in flight), then drops the holds and returns
+  the unchosen items (one EVALSHA). The minimal server has none of respool's value prefix or attribute search, quotas,
+  idempotency, commit record, commit epochs, Redis generation check, input validation, metrics or recovery of a
+  commit cut short, and its reserve answers ids only (no values, versions or attributes);
 - **reserve**: \`POST /v1/pools/{pool}/reservations\` with count 3 and 1 s holds on a 100,000-item pool;
 - **confirm**: \`POST /v1/reservations/{id}/confirm\` choosing 1 of 3 held items (the other two are released), on
   reservations made just before the timed run; **cycle**: each operation reserves 3 and then confirms 1, both timed.

@@ -2,14 +2,18 @@
  * Baseline servers for the bench, each a bare Fastify process:
  *   ceiling  POST /reserve: the single EVALSHA of respool's reserve script (count 3), nothing else
  *            (plus respool's sweep script on a timer, so the pool keeps flowing as it does in respool);
- *   minimal  POST /reserve: the least a TTL-hold reserve of 3 can do in Redis, as a floor: SPOP 3 ids from a
- *            set, a hold key each, the reservation and its expiry entry; a sweep returns expired ones. No
- *            value prefix or attribute search, no quotas, no idempotency, no generation check;
+ *   minimal  DESIGN.md's mechanism at its barest, as a floor. POST /reserve: SPOP 3 items from a set, a hold
+ *            key each, the reservation and its expiry entry (a sweep returns expired ones); POST
+ *            /reserve/:id/confirm: check and pin the holds, then the version-checked UPDATE and a history row
+ *            per item, group-committed, then drop the holds and return the unchosen items; DELETE
+ *            /reserve/:id. No value prefix or attribute search, quotas, idempotency, commit record, commit
+ *            epochs or generation check, no validation, no recovery of a commit cut short;
  *   floor    POST /reserve: a fixed JSON answer of a reservation's size, no Redis: what the machine gives a
  *            request that does nothing;
  *   classic  POST /allocate: DESIGN.md's classic design: pick a random free row, then the version-checked
  *            UPDATE, retry on conflict.
- * Usage: node ceiling.js <ceiling|minimal|floor|classic> <port> <redisUrl|databaseUrl> <prefix|poolId> [maxId]
+ * Usage: node ceiling.js <ceiling|floor|classic> <port> <redisUrl|databaseUrl> <prefix|poolId> [maxId] [minId]
+ *        node ceiling.js minimal <port> <redisUrl> <prefix> <databaseUrl>
  */
 import Fastify from 'fastify';
 import { Redis } from 'ioredis';
@@ -59,43 +63,71 @@ if (mode === 'ceiling') {
     return reply.status(201).send({ id: r[1], items: JSON.parse(r[7]), expiresAt: new Date(Number(r[6])).toISOString() });
   });
 } else if (mode === 'minimal') {
-  const redis = new Redis(url);
+  const redis = new Redis(url, { enableAutoPipelining: true });
   const base = `${arg}{minimal}:`;
-  // KEYS: none. ARGV: base, rid, ttlMs. Returns {rid, "id,id,id", expiresMs} or {} when the pool is dry.
+  // Free items are members "<id>:<version>" of one set.
+  // minimal_reserve ARGV: base, rid, ttlMs. Returns {rid, "id:v,id:v,id:v", expiresMs} or {} when the pool is dry.
   redis.defineCommand('minimal_reserve', {
     numberOfKeys: 0,
     lua: `local base, rid, ttl = ARGV[1], ARGV[2], tonumber(ARGV[3])
-local ids = redis.call('SPOP', base .. 'free', 3)
-if #ids < 3 then
-  if #ids > 0 then redis.call('SADD', base .. 'free', unpack(ids)) end
+local members = redis.call('SPOP', base .. 'free', 3)
+if #members < 3 then
+  if #members > 0 then redis.call('SADD', base .. 'free', unpack(members)) end
   return {}
 end
 local t = redis.call('TIME')
 local expires = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + ttl
-for _, id in ipairs(ids) do redis.call('SET', base .. 'h:' .. id, rid, 'PX', ttl) end
-local items = table.concat(ids, ',')
-redis.call('HSET', base .. 'r:' .. rid, 'i', items, 'e', expires)
+for _, m in ipairs(members) do redis.call('SET', base .. 'h:' .. string.match(m, '^[^:]+'), rid, 'PX', ttl) end
+local items = table.concat(members, ',')
+redis.call('HSET', base .. 'r:' .. rid, 'i', items, 's', 'held')
 redis.call('PEXPIRE', base .. 'r:' .. rid, ttl + 60000)
 redis.call('ZADD', base .. 'exp', expires, rid)
 return { rid, items, tostring(expires) }`,
   });
-  // ARGV: base, batch. Returns the number of reservations expired.
+  // Returns a held reservation's items to the free set (all, or all but the allocated ones) and ends it.
+  // minimal_end ARGV: base, rid, new state ("expired" | "released" | "confirmed"), ",allocated ids,".
+  const endReservation = `local function end_reservation(base, rid, state, allocated)
+  local items = redis.call('HGET', base .. 'r:' .. rid, 'i')
+  if not items then return 0 end
+  for m in string.gmatch(items, '[^,]+') do
+    local id = string.match(m, '^[^:]+')
+    if redis.call('GET', base .. 'h:' .. id) == rid then redis.call('DEL', base .. 'h:' .. id) end
+    if not string.find(allocated, ',' .. id .. ',', 1, true) then redis.call('SADD', base .. 'free', m) end
+  end
+  redis.call('HSET', base .. 'r:' .. rid, 's', state)
+  redis.call('ZREM', base .. 'exp', rid)
+  return 1
+end
+`;
+  redis.defineCommand('minimal_end', {
+    numberOfKeys: 0,
+    lua: `${endReservation}
+if redis.call('HGET', ARGV[1] .. 'r:' .. ARGV[2], 's') == 'confirmed' then return 0 end
+return end_reservation(ARGV[1], ARGV[2], ARGV[3], ARGV[4])`,
+  });
+  // minimal_pin ARGV: base, rid. The holds must still be this reservation's; returns {"pinned", items} or {"lost"}.
+  redis.defineCommand('minimal_pin', {
+    numberOfKeys: 0,
+    lua: `local base, rid = ARGV[1], ARGV[2]
+local f = redis.call('HMGET', base .. 'r:' .. rid, 's', 'i')
+if f[1] ~= 'held' then return { 'lost' } end
+for m in string.gmatch(f[2], '[^,]+') do
+  if redis.call('GET', base .. 'h:' .. string.match(m, '^[^:]+')) ~= rid then return { 'lost' } end
+end
+redis.call('HSET', base .. 'r:' .. rid, 's', 'confirming')
+return { 'pinned', f[2] }`,
+  });
+  // minimal_sweep ARGV: base, batch. Returns the number of reservations expired.
   redis.defineCommand('minimal_sweep', {
     numberOfKeys: 0,
-    lua: `local base, batch = ARGV[1], tonumber(ARGV[2])
+    lua: `${endReservation}
+local base, batch = ARGV[1], tonumber(ARGV[2])
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local due = redis.call('ZRANGEBYSCORE', base .. 'exp', '-inf', now, 'LIMIT', 0, batch)
 for _, rid in ipairs(due) do
-  local items = redis.call('HGET', base .. 'r:' .. rid, 'i')
-  if items then
-    for id in string.gmatch(items, '[^,]+') do
-      if redis.call('GET', base .. 'h:' .. id) == rid then redis.call('DEL', base .. 'h:' .. id) end
-      redis.call('SADD', base .. 'free', id)
-    end
-    redis.call('DEL', base .. 'r:' .. rid)
-  end
-  redis.call('ZREM', base .. 'exp', rid)
+  if redis.call('HGET', base .. 'r:' .. rid, 's') == 'held' then end_reservation(base, rid, 'expired', ',')
+  else redis.call('ZREM', base .. 'exp', rid) end
 end
 return #due`,
   });
@@ -104,14 +136,76 @@ return #due`,
     for (let i = 0; i < MAX_BATCHES_PER_TICK; i++) if (Number(await call.minimal_sweep(base, SWEEP_BATCH)) < SWEEP_BATCH) break;
   };
   setInterval(() => void sweep().catch(() => undefined), 250).unref();
-  app.post('/reserve', async (_req, reply) => {
-    const r = (await call.minimal_reserve(base, `minimal.${randomUUID()}`, 1000)) as string[];
+  // Group commit, as respool's Batcher does: the commits that arrive while batches are in flight share
+  // one statement (up to 32 of them, up to 4 batches in flight): the version-checked UPDATE of every
+  // item and its history row, in one transaction.
+  const db = new pg.Pool({ connectionString: maxIdArg, max: 16 });
+  type Commit = { rid: string; ids: string[]; versions: number[]; resolve: (landed: boolean) => void; reject: (err: Error) => void };
+  const queue: Commit[] = [];
+  let inFlight = 0;
+  const pump = () => {
+    while (inFlight < 4 && queue.length > 0) {
+      const batch = queue.splice(0, 32);
+      inFlight++;
+      const ids = batch.flatMap((c) => c.ids);
+      const versions = batch.flatMap((c) => c.versions);
+      const rids = batch.flatMap((c) => c.ids.map(() => c.rid));
+      db.query({
+        name: 'minimal_allocate',
+        text: `WITH u AS (SELECT * FROM unnest($1::bigint[], $2::int[], $3::text[]) AS x (id, v, rid)),
+               allocated AS (UPDATE t_resource r SET state = 2, version = r.version + 1, owner = 'buyer', update_time = now()
+                               FROM u WHERE r.id = u.id AND r.state = 1 AND r.version = u.v
+                             RETURNING r.id, r.pool_id, r.version, u.rid)
+               INSERT INTO t_allocation_history (resource_id, pool_id, action, owner, reservation_id, version)
+               SELECT id, pool_id, 'allocate', 'buyer', rid, version FROM allocated RETURNING resource_id::text`,
+        values: [ids, versions, rids],
+      })
+        .then(
+          (res) => {
+            const landed = new Set(res.rows.map((row: { resource_id: string }) => row.resource_id));
+            for (const c of batch) c.resolve(c.ids.every((id) => landed.has(id)));
+          },
+          (err: Error) => batch.forEach((c) => c.reject(err)),
+        )
+        .finally(() => {
+          inFlight--;
+          pump();
+        });
+    }
+  };
+  const commit = (rid: string, ids: string[], versions: number[]) =>
+    new Promise<boolean>((resolve, reject) => {
+      queue.push({ rid, ids, versions, resolve, reject });
+      pump();
+    });
+  app.post<{ Body: { ttlMs?: number } }>('/reserve', async (req, reply) => {
+    const r = (await call.minimal_reserve(base, `minimal.${randomUUID()}`, req.body?.ttlMs ?? 1000)) as string[];
     if (r.length === 0) return reply.status(409).send({ error: { code: 'POOL_EXHAUSTED' } });
     return reply.status(201).send({
       id: r[0],
-      items: r[1].split(',').map((id) => ({ resourceId: id })),
+      items: r[1].split(',').map((m) => ({ resourceId: m.split(':')[0] })),
       expiresAt: new Date(Number(r[2])).toISOString(),
     });
+  });
+  app.post<{ Params: { id: string }; Body: { resourceIds: string[] } }>('/reserve/:id/confirm', async (req, reply) => {
+    const chosen = req.body.resourceIds;
+    const pin = (await call.minimal_pin(base, req.params.id)) as string[];
+    if (pin[0] !== 'pinned') return reply.status(409).send({ error: { code: 'HOLD_LOST' } });
+    const versions = new Map(pin[1].split(',').map((m) => m.split(':') as [string, string]));
+    const landed = await commit(
+      req.params.id,
+      chosen,
+      chosen.map((id) => Number(versions.get(id))),
+    );
+    await call.minimal_end(base, req.params.id, landed ? 'confirmed' : 'released', landed ? `,${chosen.join(',')},` : ',');
+    if (!landed) return reply.status(409).send({ error: { code: 'HOLD_LOST' } });
+    return reply
+      .status(200)
+      .send({ id: req.params.id, allocated: chosen.map((id) => ({ resourceId: id, version: Number(versions.get(id)) + 1 })) });
+  });
+  app.delete<{ Params: { id: string } }>('/reserve/:id', async (req, reply) => {
+    await call.minimal_end(base, req.params.id, 'released', ',');
+    return reply.status(200).send({ id: req.params.id });
   });
 } else if (mode === 'floor') {
   app.post('/reserve', async (_req, reply) =>

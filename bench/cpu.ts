@@ -5,11 +5,11 @@ import { readdirSync, readFileSync } from 'node:fs';
  * cores on (the service, Postgres, Redis, the load generator). Linux only; elsewhere the snapshots are
  * empty and the split reads "n/a".
  */
-export type CpuSnapshot = Map<string, number>;
+export type CpuSnapshot = Map<string, { group: string; us: number }>;
 
 const TICK_US = 1e6 / 100; // USER_HZ is 100 on every Linux architecture the bench runs on
 
-/** Microseconds of CPU (user + system) used so far by each group; `groupOf` names a process's group. */
+/** Microseconds of CPU (user + system) used so far by each process of a group; `groupOf` names a process's group. */
 export function cpuSnapshot(groupOf: (pid: number, comm: string) => string | undefined): CpuSnapshot {
   const totals: CpuSnapshot = new Map();
   let pids: string[];
@@ -35,15 +35,23 @@ export function cpuSnapshot(groupOf: (pid: number, comm: string) => string | und
     // children it has waited for, such as a wrk run that has exited by the time of the second snapshot.
     let ticks = Number(fields[11]) + Number(fields[12]);
     if (Number(pid) === process.pid) ticks += Number(fields[13]) + Number(fields[14]);
-    totals.set(group, (totals.get(group) ?? 0) + ticks * TICK_US);
+    totals.set(pid, { group, us: ticks * TICK_US });
   }
   return totals;
 }
 
-/** CPU microseconds per operation by group between two snapshots. */
+/**
+ * CPU microseconds per operation by group between two snapshots, process by process: one that started
+ * in between counts from zero; one that exited in between (an autovacuum worker, say) is left out, as
+ * its time since the first snapshot can no longer be read.
+ */
 export function cpuPerOp(before: CpuSnapshot, after: CpuSnapshot, ops: number, order: string[]): Record<string, number> {
-  const out: Record<string, number> = {};
-  for (const group of order) out[group] = ops > 0 ? ((after.get(group) ?? 0) - (before.get(group) ?? 0)) / ops : 0;
+  const out: Record<string, number> = Object.fromEntries(order.map((group) => [group, 0]));
+  if (ops === 0) return out;
+  for (const [pid, { group, us }] of after) {
+    const earlier = before.get(pid);
+    out[group] += (us - (earlier?.group === group ? earlier.us : 0)) / ops;
+  }
   return out;
 }
 
