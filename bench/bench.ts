@@ -341,7 +341,7 @@ async function main(): Promise<void> {
     );
     // The floor for confirm: DESIGN.md's mechanism at its barest (bench/ceiling.ts, mode minimal), on
     // rows of its own pool, measured like respool's confirm.
-    await createPool('floor', 'number', QUICK ? 200_000 : 400_000);
+    await createPool('floor', 'number', QUICK ? 200_000 : 500_000);
     const floorRows = await sql.query<{ id: string; version: number }>(
       `SELECT r.id::text AS id, r.version FROM t_resource r JOIN t_pool p ON p.id = r.pool_id WHERE p.name = 'floor'`,
     );
@@ -362,7 +362,7 @@ async function main(): Promise<void> {
         releasePath: (id) => `/reserve/${id}`,
         pid: floorProcess.pid!,
         warmup: 2 * WARMUP_CONFIRMS,
-        timed: QUICK ? 40_000 : 100_000,
+        timed: QUICK ? 40_000 : 80_000,
       }),
     );
     await floorHttp.close();
