@@ -205,9 +205,10 @@ async function main(): Promise<number> {
       gracefulShutdownMs: shutdown.ms,
       violations: verdict.violations.length,
     };
-    writeFileSync(join(workDir, 'report.json'), JSON.stringify({ report, violations: verdict.violations, windows }, null, 2));
+    writeFileSync(join(workDir, 'report.json'), JSON.stringify({ report, violations: verdict.violations, diagnostics: verdict.diagnostics, windows }, null, 2));
     console.log(JSON.stringify(report, null, 2));
     for (const v of verdict.violations.slice(0, 50)) console.log(`VIOLATION ${v}`);
+    for (const d of verdict.diagnostics.slice(0, 20)) console.log(`DIAGNOSTIC ${d}`);
     failed = verdict.violations.length > 0;
     say(failed ? `FAILED: ${verdict.violations.length} violations` : 'passed: 0 violations');
   } catch (err) {

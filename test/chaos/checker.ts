@@ -54,6 +54,8 @@ export class HoldSampler {
 
 export interface Verdict {
   violations: string[];
+  /** What helps explain the violations (the history of an item whose hold was not honoured); not counted. */
+  diagnostics: string[];
   counts: Record<string, number>;
 }
 
@@ -64,6 +66,7 @@ function inWindow(e: Exchange, windows: FaultWindow[]): FaultWindow | undefined 
 /** Checks every client's log and Postgres' history against the invariants. */
 export async function check(log: Exchange[], windows: FaultWindow[], databaseUrl: string): Promise<Verdict> {
   const violations: string[] = [];
+  const diagnostics: string[] = [];
   /** Items of holds that were not honoured: their whole story is printed to find out why. */
   const lostItems = new Set<string>();
   const counts: Record<string, number> = { requests: log.length, ok: 0, '503': 0, network: 0, hung: 0, '500': 0, excused: 0, maybeLate: 0 };
@@ -127,7 +130,7 @@ export async function check(log: Exchange[], windows: FaultWindow[], databaseUrl
       const reserves = log
         .filter((r) => r.op === 'reserve' && r.status === 201 && JSON.stringify(r.answer).includes(`"resourceId":"${id}"`))
         .map((r) => `${(r.answer as { id: string }).id} on ${r.instance} at ${new Date(r.sentAt).toISOString().slice(11, 23)}`);
-      violations.push(`story of item ${id}:\n${story.join('\n')}\n  reserved by: ${reserves.join(', ')}`);
+      diagnostics.push(`story of item ${id}:\n${story.join('\n')}\n  reserved by: ${reserves.join(', ')}`);
     }
     let previous: (typeof history.rows)[number] | undefined;
     for (const h of history.rows) {
@@ -155,5 +158,5 @@ export async function check(log: Exchange[], windows: FaultWindow[], databaseUrl
   } finally {
     await sql.end();
   }
-  return { violations, counts };
+  return { violations, diagnostics, counts };
 }
