@@ -85,7 +85,8 @@ redis.call('ZADD', base .. 'exp', expires, rid)
 return { rid, items, tostring(expires) }`,
   });
   // Returns a held reservation's items to the free set (all, or all but the allocated ones) and ends it.
-  // minimal_end ARGV: base, rid, new state ("expired" | "released" | "confirmed"), ",allocated ids,".
+  // minimal_end ARGV: base, rid, the state it must be in ("held" | "confirming"), the new state ("released" |
+  // "confirmed"), ",allocated ids,". Returns 0, changing nothing, when the reservation is in another state.
   const endReservation = `local function end_reservation(base, rid, state, allocated)
   local items = redis.call('HGET', base .. 'r:' .. rid, 'i')
   if not items then return 0 end
@@ -102,8 +103,8 @@ end
   redis.defineCommand('minimal_end', {
     numberOfKeys: 0,
     lua: `${endReservation}
-if redis.call('HGET', ARGV[1] .. 'r:' .. ARGV[2], 's') == 'confirmed' then return 0 end
-return end_reservation(ARGV[1], ARGV[2], ARGV[3], ARGV[4])`,
+if redis.call('HGET', ARGV[1] .. 'r:' .. ARGV[2], 's') ~= ARGV[3] then return 0 end
+return end_reservation(ARGV[1], ARGV[2], ARGV[4], ARGV[5])`,
   });
   // minimal_pin ARGV: base, rid. The holds must still be this reservation's; returns {"pinned", items} or {"lost"}.
   redis.defineCommand('minimal_pin', {
@@ -137,14 +138,14 @@ return #due`,
   };
   setInterval(() => void sweep().catch(() => undefined), 250).unref();
   // Group commit, as respool's Batcher does: the commits that arrive while batches are in flight share
-  // one statement (up to 32 of them, up to 4 batches in flight): the version-checked UPDATE of every
-  // item and its history row, in one transaction.
+  // one statement (up to 32 of them, up to 2 batches in flight, as respool): the version-checked UPDATE
+  // of every item and its history row, in one transaction.
   const db = new pg.Pool({ connectionString: maxIdArg, max: 16 });
   type Commit = { rid: string; ids: string[]; versions: number[]; resolve: (landed: boolean) => void; reject: (err: Error) => void };
   const queue: Commit[] = [];
   let inFlight = 0;
   const pump = () => {
-    while (inFlight < 4 && queue.length > 0) {
+    while (inFlight < 2 && queue.length > 0) {
       const batch = queue.splice(0, 32);
       inFlight++;
       const ids = batch.flatMap((c) => c.ids);
@@ -157,13 +158,14 @@ return #due`,
                                FROM u WHERE r.id = u.id AND r.state = 1 AND r.version = u.v
                              RETURNING r.id, r.pool_id, r.version, u.rid)
                INSERT INTO t_allocation_history (resource_id, pool_id, action, owner, reservation_id, version)
-               SELECT id, pool_id, 'allocate', 'buyer', rid, version FROM allocated RETURNING resource_id::text`,
+               SELECT id, pool_id, 'allocate', 'buyer', rid, version FROM allocated
+               RETURNING reservation_id || ' ' || resource_id AS landed`,
         values: [ids, versions, rids],
       })
         .then(
           (res) => {
-            const landed = new Set(res.rows.map((row: { resource_id: string }) => row.resource_id));
-            for (const c of batch) c.resolve(c.ids.every((id) => landed.has(id)));
+            const landed = new Set(res.rows.map((row: { landed: string }) => row.landed));
+            for (const c of batch) c.resolve(c.ids.every((id) => landed.has(`${c.rid} ${id}`)));
           },
           (err: Error) => batch.forEach((c) => c.reject(err)),
         )
@@ -192,20 +194,24 @@ return #due`,
     const pin = (await call.minimal_pin(base, req.params.id)) as string[];
     if (pin[0] !== 'pinned') return reply.status(409).send({ error: { code: 'HOLD_LOST' } });
     const versions = new Map(pin[1].split(',').map((m) => m.split(':') as [string, string]));
+    if (chosen.length === 0 || chosen.some((id) => !versions.has(id))) {
+      await call.minimal_end(base, req.params.id, 'confirming', 'released', ',');
+      return reply.status(409).send({ error: { code: 'NOT_IN_RESERVATION' } });
+    }
     const landed = await commit(
       req.params.id,
       chosen,
       chosen.map((id) => Number(versions.get(id))),
     );
-    await call.minimal_end(base, req.params.id, landed ? 'confirmed' : 'released', landed ? `,${chosen.join(',')},` : ',');
+    await call.minimal_end(base, req.params.id, 'confirming', landed ? 'confirmed' : 'released', landed ? `,${chosen.join(',')},` : ',');
     if (!landed) return reply.status(409).send({ error: { code: 'HOLD_LOST' } });
     return reply
       .status(200)
       .send({ id: req.params.id, allocated: chosen.map((id) => ({ resourceId: id, version: Number(versions.get(id)) + 1 })) });
   });
   app.delete<{ Params: { id: string } }>('/reserve/:id', async (req, reply) => {
-    await call.minimal_end(base, req.params.id, 'released', ',');
-    return reply.status(200).send({ id: req.params.id });
+    const ended = await call.minimal_end(base, req.params.id, 'held', 'released', ',');
+    return reply.status(Number(ended) === 1 ? 200 : 409).send({ id: req.params.id });
   });
 } else if (mode === 'floor') {
   app.post('/reserve', async (_req, reply) =>

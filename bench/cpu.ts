@@ -35,7 +35,8 @@ export function cpuSnapshot(groupOf: (pid: number, comm: string) => string | und
     // children it has waited for, such as a wrk run that has exited by the time of the second snapshot.
     let ticks = Number(fields[11]) + Number(fields[12]);
     if (Number(pid) === process.pid) ticks += Number(fields[13]) + Number(fields[14]);
-    totals.set(pid, { group, us: ticks * TICK_US });
+    // A process is its pid and its start time (field 22): a pid reused between two snapshots is another process.
+    totals.set(`${pid}@${fields[19]}`, { group, us: ticks * TICK_US });
   }
   return totals;
 }
@@ -48,8 +49,9 @@ export function cpuSnapshot(groupOf: (pid: number, comm: string) => string | und
 export function cpuPerOp(before: CpuSnapshot, after: CpuSnapshot, ops: number, order: string[]): Record<string, number> {
   const out: Record<string, number> = Object.fromEntries(order.map((group) => [group, 0]));
   if (ops === 0) return out;
-  for (const [pid, { group, us }] of after) {
-    const earlier = before.get(pid);
+  for (const [key, { group, us }] of after) {
+    if (!(group in out)) continue;
+    const earlier = before.get(key);
     out[group] += (us - (earlier?.group === group ? earlier.us : 0)) / ops;
   }
   return out;

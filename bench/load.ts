@@ -112,7 +112,8 @@ export async function runLoad(
  * (each run must have kept its samples).
  */
 export function pooled(results: LoadResult[]): LoadResult {
-  const all = results.flatMap((r) => r.samples ?? []).sort((a, b) => a - b);
+  if (results.some((r) => r.samples === undefined)) throw new Error('pooled() needs runs that kept their samples');
+  const all = results.flatMap((r) => r.samples!).sort((a, b) => a - b);
   const durationMs = results.reduce((sum, r) => sum + r.durationMs, 0);
   const byStatus: Record<string, number> = {};
   for (const r of results) for (const [label, n] of Object.entries(r.byStatus)) byStatus[label] = (byStatus[label] ?? 0) + n;
