@@ -91,6 +91,16 @@ async function main(): Promise<void> {
   const record = (name: string, value: string, baseline: string, ratio: string, target: string, met: boolean | null) =>
     rows.push({ name, value, baseline, ratio, target, met: met === null ? '' : met ? 'yes' : '**no**' });
 
+  /** Starts one of bench/ceiling.ts's servers on a free port and waits for it. */
+  const startBaseline = async (mode: string, ...args: string[]) => {
+    const port = await freePort();
+    const child = startProcess(['dist/bench/bench/ceiling.js', mode, String(port), ...args]);
+    children.push(child);
+    const baseUrl = `http://127.0.0.1:${port}`;
+    await waitHttp(`${baseUrl}/`);
+    return { child, url: baseUrl };
+  };
+
   try {
     // respool itself.
     const port = await freePort();
@@ -126,9 +136,7 @@ async function main(): Promise<void> {
     };
 
     // The ceiling: a bare Fastify endpoint running respool's reserve script, on its own copy of the pool.
-    const ceilingPort = await freePort();
-    children.push(startProcess(['dist/bench/bench/ceiling.js', 'ceiling', String(ceilingPort), REDIS_URL, PREFIX]));
-    await waitHttp(`http://127.0.0.1:${ceilingPort}/`);
+    const { child: ceilingProcess, url: ceilingUrl } = await startBaseline('ceiling', REDIS_URL, PREFIX);
     const ceilingBase = `${PREFIX}{ceiling}:`;
     await redis.set(`${ceilingBase}gen`, '0'); // reserve needs the pool's Redis generation
     for (let i = 0; i < 100_000; i += 500) {
@@ -140,11 +148,9 @@ async function main(): Promise<void> {
       }
       await multi.exec();
     }
-    const ceilingHttp = client(`http://127.0.0.1:${ceilingPort}`, CONNECTIONS);
+    const ceilingHttp = client(ceilingUrl, CONNECTIONS);
     say(`machine: ${os.cpus().length} × ${os.cpus()[0].model}, ${(os.totalmem() / 2 ** 30).toFixed(0)} GiB, Node ${process.version}`);
 
-    const ceilingUrl = `http://127.0.0.1:${ceilingPort}`;
-    const ceilingProcess = children[children.length - 1];
     const ceiling = await repeat('ceiling (bare Fastify + reserve EVALSHA)', () =>
       runWrk(
         ceilingUrl,
@@ -162,15 +168,12 @@ async function main(): Promise<void> {
     // Two floors for the reserve latency, with the loader that judges it: a Fastify endpoint that answers
     // without Redis, and the least a TTL-hold reserve of 3 can do in Redis (bench/ceiling.ts).
     const floorOf = async (mode: 'floor' | 'minimal') => {
-      const floorPort = await freePort();
-      const child = startProcess(['dist/bench/bench/ceiling.js', mode, String(floorPort), REDIS_URL, PREFIX, DB_URL]);
-      children.push(child);
-      await waitHttp(`http://127.0.0.1:${floorPort}/`);
+      const { child, url: floorUrl } = await startBaseline(mode, REDIS_URL, PREFIX, DB_URL);
       if (mode === 'minimal') {
         for (let i = 0; i < 100_000; i += 10_000)
           await redis.sadd(`${PREFIX}{minimal}:free`, ...Array.from({ length: 10_000 }, (_, j) => `${i + j + 1}:0`));
       }
-      const floorHttp = client(`http://127.0.0.1:${floorPort}`, CONNECTIONS);
+      const floorHttp = client(floorUrl, CONNECTIONS);
       const result = await repeat(`${mode}, Node load generator`, () =>
         runLoad(CONNECTIONS, RUN_MS, async () => String((await floorHttp.call('POST', '/reserve', {})).status)),
       );
@@ -333,13 +336,10 @@ async function main(): Promise<void> {
         `SELECT min(r.id)::text AS lo, max(r.id)::text AS hi, p.id::text AS pool FROM t_resource r JOIN t_pool p ON p.id = r.pool_id WHERE p.name = 'classic' GROUP BY p.id`,
       )
     ).rows[0];
-    const classicPort = await freePort();
-    children.push(startProcess(['dist/bench/bench/ceiling.js', 'classic', String(classicPort), DB_URL, ids.pool, ids.hi, ids.lo]));
-    await waitHttp(`http://127.0.0.1:${classicPort}/`);
-    const classicProcess = children[children.length - 1];
+    const { child: classicProcess, url: classicUrl } = await startBaseline('classic', DB_URL, ids.pool, ids.hi, ids.lo);
     const classic = await repeat('classic: random free row + version-checked UPDATE', () =>
       runWrk(
-        `http://127.0.0.1:${classicPort}`,
+        classicUrl,
         CONNECTIONS,
         RUN_MS,
         { request: { method: 'POST', path: '/allocate', body: {} } },
@@ -357,14 +357,11 @@ async function main(): Promise<void> {
     const floorPrefix = `${PREFIX}confirm-floor:`;
     for (let i = 0; i < floorRows.rows.length; i += 10_000)
       await redis.sadd(`${floorPrefix}{minimal}:free`, ...floorRows.rows.slice(i, i + 10_000).map((r) => `${r.id}:${r.version}`));
-    const floorPort = await freePort();
-    const floorProcess = startProcess(['dist/bench/bench/ceiling.js', 'minimal', String(floorPort), REDIS_URL, floorPrefix, DB_URL]);
-    children.push(floorProcess);
-    await waitHttp(`http://127.0.0.1:${floorPort}/`);
-    const floorHttp = client(`http://127.0.0.1:${floorPort}`, CONNECTIONS);
+    const { child: floorProcess, url: floorUrl } = await startBaseline('minimal', REDIS_URL, floorPrefix, DB_URL);
+    const floorHttp = client(floorUrl, CONNECTIONS);
     const floorConfirm = await repeat('floor: minimal confirm(1 of 3)', () =>
       confirmRun({
-        url: `http://127.0.0.1:${floorPort}`,
+        url: floorUrl,
         call: floorHttp.call,
         reserve: { path: '/reserve', body: { ttlMs: 600_000 } },
         confirmPath: (id) => `/reserve/${id}/confirm`,

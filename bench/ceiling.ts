@@ -20,10 +20,20 @@ import { Redis } from 'ioredis';
 import { randomUUID } from 'node:crypto';
 import { readFileSync } from 'node:fs';
 import pg from 'pg';
+import { Batcher } from '../src/database/batcher.js';
+import { MAX_BATCHES_IN_FLIGHT, MAX_COMMITS_PER_BATCH } from '../src/database/commit-batches.js';
 import { MAX_BATCHES_PER_TICK, SWEEP_BATCH } from '../src/sweeper/sweep-limits.js';
 
 const [mode, portArg, url, arg, maxIdArg] = process.argv.slice(2);
 const app = Fastify({ logger: false });
+
+/** respool's sweeper, as respool runs it: batches until nothing is due, every 250 ms. */
+function sweepEvery250ms(sweepBatch: () => Promise<number>): void {
+  const tick = async () => {
+    for (let i = 0; i < MAX_BATCHES_PER_TICK; i++) if ((await sweepBatch()) < SWEEP_BATCH) break;
+  };
+  setInterval(() => void tick().catch(() => undefined), 250).unref();
+}
 
 if (mode === 'ceiling') {
   const scripts = new URL('../../src/redis/scripts/', import.meta.url);
@@ -33,14 +43,7 @@ if (mode === 'ceiling') {
   redis.defineCommand('rp_sweep', { numberOfKeys: 1, lua: `${lib}\n${readFileSync(new URL('sweep.lua', scripts), 'utf8')}` });
   const base = `${arg}{ceiling}:`;
   const call = redis as unknown as Record<string, (...args: unknown[]) => Promise<string[]>>;
-  // respool's sweeper, as respool runs it: batches until nothing is due, every 250 ms.
-  const sweep = async () => {
-    for (let i = 0; i < MAX_BATCHES_PER_TICK; i++) {
-      const swept = (await call.rp_sweep(`${base}free`, base, SWEEP_BATCH, 60_000, 15_000)) as unknown as number[];
-      if (Number(swept[0]) < SWEEP_BATCH) break;
-    }
-  };
-  setInterval(() => void sweep().catch(() => undefined), 250).unref();
+  sweepEvery250ms(async () => Number((await call.rp_sweep(`${base}free`, base, SWEEP_BATCH, 60_000, 15_000))[0]));
   app.post('/reserve', async (_req, reply) => {
     const r = await call.rp_reserve(
       `${base}free`,
@@ -133,25 +136,15 @@ end
 return #due`,
   });
   const call = redis as unknown as Record<string, (...args: unknown[]) => Promise<unknown>>;
-  const sweep = async () => {
-    for (let i = 0; i < MAX_BATCHES_PER_TICK; i++) if (Number(await call.minimal_sweep(base, SWEEP_BATCH)) < SWEEP_BATCH) break;
-  };
-  setInterval(() => void sweep().catch(() => undefined), 250).unref();
-  // Group commit, as respool's Batcher does: the commits that arrive while batches are in flight share
-  // one statement (up to 32 of them, up to 2 batches in flight, as respool): the version-checked UPDATE
-  // of every item and its history row, in one transaction.
+  sweepEvery250ms(async () => Number(await call.minimal_sweep(base, SWEEP_BATCH)));
+  // Group commit with respool's Batcher and its limits: the commits that arrive while batches are in
+  // flight share one statement, the version-checked UPDATE of every item and its history row, in one
+  // transaction. A commit lands if all of its items did.
   const db = new pg.Pool({ connectionString: maxIdArg, max: 16 });
-  type Commit = { rid: string; ids: string[]; versions: number[]; resolve: (landed: boolean) => void; reject: (err: Error) => void };
-  const queue: Commit[] = [];
-  let inFlight = 0;
-  const pump = () => {
-    while (inFlight < 2 && queue.length > 0) {
-      const batch = queue.splice(0, 32);
-      inFlight++;
-      const ids = batch.flatMap((c) => c.ids);
-      const versions = batch.flatMap((c) => c.versions);
-      const rids = batch.flatMap((c) => c.ids.map(() => c.rid));
-      db.query({
+  type Commit = { rid: string; ids: string[]; versions: number[] };
+  const commits = new Batcher<Commit, boolean>(
+    async (batch) => {
+      const res = await db.query<{ landed: string }>({
         name: 'minimal_allocate',
         text: `WITH u AS (SELECT * FROM unnest($1::bigint[], $2::int[], $3::text[]) AS x (id, v, rid)),
                allocated AS (UPDATE t_resource r SET state = 2, version = r.version + 1, owner = 'buyer', update_time = now()
@@ -160,26 +153,15 @@ return #due`,
                INSERT INTO t_allocation_history (resource_id, pool_id, action, owner, reservation_id, version)
                SELECT id, pool_id, 'allocate', 'buyer', rid, version FROM allocated
                RETURNING reservation_id || ' ' || resource_id AS landed`,
-        values: [ids, versions, rids],
-      })
-        .then(
-          (res) => {
-            const landed = new Set(res.rows.map((row: { landed: string }) => row.landed));
-            for (const c of batch) c.resolve(c.ids.every((id) => landed.has(`${c.rid} ${id}`)));
-          },
-          (err: Error) => batch.forEach((c) => c.reject(err)),
-        )
-        .finally(() => {
-          inFlight--;
-          pump();
-        });
-    }
-  };
-  const commit = (rid: string, ids: string[], versions: number[]) =>
-    new Promise<boolean>((resolve, reject) => {
-      queue.push({ rid, ids, versions, resolve, reject });
-      pump();
-    });
+        values: [batch.flatMap((c) => c.ids), batch.flatMap((c) => c.versions), batch.flatMap((c) => c.ids.map(() => c.rid))],
+      });
+      const landed = new Set(res.rows.map((row) => row.landed));
+      return batch.map((c) => c.ids.every((id) => landed.has(`${c.rid} ${id}`)));
+    },
+    MAX_BATCHES_IN_FLIGHT,
+    MAX_COMMITS_PER_BATCH,
+    10_000,
+  );
   app.post<{ Body: { ttlMs?: number } }>('/reserve', async (req, reply) => {
     const r = (await call.minimal_reserve(base, `minimal.${randomUUID()}`, req.body?.ttlMs ?? 1000)) as string[];
     if (r.length === 0) return reply.status(409).send({ error: { code: 'POOL_EXHAUSTED' } });
@@ -198,11 +180,7 @@ return #due`,
       await call.minimal_end(base, req.params.id, 'confirming', 'released', ',');
       return reply.status(409).send({ error: { code: 'NOT_IN_RESERVATION' } });
     }
-    const landed = await commit(
-      req.params.id,
-      chosen,
-      chosen.map((id) => Number(versions.get(id))),
-    );
+    const landed = await commits.submit({ rid: req.params.id, ids: chosen, versions: chosen.map((id) => Number(versions.get(id))) });
     await call.minimal_end(base, req.params.id, 'confirming', landed ? 'confirmed' : 'released', landed ? `,${chosen.join(',')},` : ',');
     if (!landed) return reply.status(409).send({ error: { code: 'HOLD_LOST' } });
     return reply
