@@ -1,6 +1,7 @@
 import { ArgumentMetadata, Injectable, PipeTransform, ValidationError } from '@nestjs/common';
 import { plainToInstance } from 'class-transformer';
 import { validateSync, ValidatorOptions } from 'class-validator';
+import { compileDto, CompiledDto, DtoClass } from './compiled-dto.js';
 import { DomainError, FieldError } from './errors.js';
 
 /** Flattens class-validator's tree into `{ field: "filter.attributes", reason }` entries. */
@@ -16,7 +17,7 @@ export function flattenValidationErrors(errors: ValidationError[], parent = ''):
   return out;
 }
 
-const OPTIONS: ValidatorOptions = { whitelist: true, forbidNonWhitelisted: true, forbidUnknownValues: true };
+export const VALIDATOR_OPTIONS: ValidatorOptions = { whitelist: true, forbidNonWhitelisted: true, forbidUnknownValues: true };
 const UNVALIDATED = new Set<unknown>([String, Number, Boolean, Array, Object]);
 
 /**
@@ -24,19 +25,34 @@ const UNVALIDATED = new Set<unknown>([String, Number, Boolean, Array, Object]);
  * ValidationPipe does the same work through promises and several extra passes over the value, which
  * the profile showed at a sixth of a confirm's CPU time. Unknown fields are refused, like everything
  * else that fails, with 400 VALIDATION_FAILED and `details.fields`.
+ *
+ * A valid value takes the DTO's compiled form (`compiled-dto.ts`): class-transformer's and
+ * class-validator's general machinery was still 15 % of a reserve's CPU time and 40 % of the memory
+ * it allocates. Whatever the compiled check refuses is validated by class-validator itself, which
+ * writes the messages.
  */
 @Injectable()
 export class DtoValidationPipe implements PipeTransform {
+  private readonly compiled = new Map<DtoClass, CompiledDto | undefined>();
+
   transform(value: unknown, { metatype, type }: ArgumentMetadata): unknown {
     if (type === 'custom' || !metatype || UNVALIDATED.has(metatype)) return value;
     const plain = value ?? {};
     if (typeof plain !== 'object' || Array.isArray(plain)) {
       throw DomainError.validation([{ field: type, reason: `the ${type} must be a JSON object` }]);
     }
-    const instance = plainToInstance(metatype as new () => object, plain);
-    const errors = validateSync(instance, OPTIONS);
+    const cls = metatype as DtoClass;
+    const dto = this.compiledFor(cls);
+    const instance = dto ? dto.build(plain) : plainToInstance(cls, plain);
+    if (dto?.passes(instance)) return instance;
+    const errors = validateSync(instance, VALIDATOR_OPTIONS);
     if (errors.length > 0) throw DomainError.validation(flattenValidationErrors(errors));
     return instance;
+  }
+
+  private compiledFor(cls: DtoClass): CompiledDto | undefined {
+    if (!this.compiled.has(cls)) this.compiled.set(cls, compileDto(cls));
+    return this.compiled.get(cls);
   }
 }
 

@@ -235,6 +235,14 @@ describe('reservations', () => {
     expect(await stats('filters')).toMatchObject({ free: 1, held: 3 });
   });
 
+  it('takes an attribute named "constructor" as data, on import and in a filter', async () => {
+    await seedPool(api, 'ctor', [{ value: '13700000001', attributes: { constructor: 'x' } }, { value: '13700000002' }]);
+    const held = await reserve('ctor', { owner: 'a', filter: { attributes: { constructor: 'x' } } });
+    expect(held.status).toBe(201);
+    expect(held.body.items[0]).toMatchObject({ value: '13700000001', attributes: { constructor: 'x' } });
+    expect((await reserve('ctor', { owner: 'b', filter: { attributes: { constructor: 'x' } } })).status).toBe(409);
+  });
+
   it('invariant 6: bad input is a 400 VALIDATION_FAILED listing each field, and changes nothing', async () => {
     await seedPool(api, 'strict', numbers(3), { holdTtlMs: 30_000, maxHoldTtlMs: 60_000 });
     const cases: [Record<string, unknown>, string][] = [

@@ -1,0 +1,232 @@
+import { createRequire } from 'node:module';
+import { TransformationType } from 'class-transformer';
+import type { MetadataStorage as TransformerMetadata } from 'class-transformer/types/MetadataStorage.js';
+import { getMetadataStorage, ValidationTypes } from 'class-validator';
+import type { ValidationArguments } from 'class-validator';
+import type { ValidationMetadata } from 'class-validator/types/metadata/ValidationMetadata.js';
+
+/** A DTO class: built with `new` and no arguments, as class-transformer builds it. */
+export type DtoClass = new () => object;
+
+/**
+ * A DTO class's decorators compiled once into two plain functions, for the hot path of every request:
+ *
+ * - `build(plain)` makes the instance `plainToInstance(cls, plain)` makes from a JSON value: a `cls`
+ *   instance with the plain keys copied (`__proto__` and `constructor` skipped, as class-transformer
+ *   does), nested objects and arrays copied, `@Type` properties built as instances of their class.
+ *   One difference: a "constructor" key inside a plain record (`attributes`) is kept, where
+ *   class-transformer throws a TypeError.
+ * - `passes(instance)` says whether `validateSync(instance, { whitelist, forbidNonWhitelisted,
+ *   forbidUnknownValues })` would find no error: the same metadata, the same constraint instances
+ *   called with the same arguments, the same rules for `@IsOptional`, `each`, nested objects and unknown
+ *   keys, without class-validator's per-call grouping of the metadata and its error objects.
+ *
+ * A value `passes` refuses still goes through `validateSync` for the messages (`DtoValidationPipe`),
+ * so a 400 reads as before; `passes` only spares valid requests that work. A class using anything
+ * this does not mirror (`@Transform`, `@Expose`, `@Exclude`, discriminators, async or promise
+ * validation, schemas, accessors) is not compiled, and the pipe uses class-transformer and
+ * class-validator as they are. `test/unit/compiled-dto.test.ts` checks both functions against the two
+ * libraries on every DTO, over valid and invalid values alike.
+ */
+export interface CompiledDto {
+  build(plain: object): object;
+  passes(instance: object): boolean;
+}
+
+// class-transformer's decorator metadata; not exported by its index, so read from the module its decorators use.
+const { defaultMetadataStorage } = createRequire(import.meta.url)('class-transformer/cjs/storage.js') as {
+  defaultMetadataStorage: TransformerMetadata;
+};
+
+type Check = (object: Record<string, unknown>, value: unknown) => boolean;
+
+interface PropertyRule {
+  name: string;
+  /** `@IsOptional` / `@ValidateIf`: when one is false, nothing else of the property is checked. */
+  conditions: Check[];
+  /** `@IsDefined`, then every other constraint. */
+  checks: Check[];
+  nested: boolean;
+}
+
+interface ClassRule {
+  known: Set<string>;
+  properties: PropertyRule[];
+  /** Property → class of its `@Type`, for build. */
+  types: Map<string, DtoClass>;
+}
+
+const compiled = new Map<unknown, ClassRule | null>();
+
+/** The compiled form of a DTO class, or undefined when it uses something not mirrored here. */
+export function compileDto(cls: DtoClass): CompiledDto | undefined {
+  const rule = ruleOf(cls);
+  if (!rule) return undefined;
+  return { build: (plain) => build(cls, rule, plain), passes: (instance) => passes(instance) };
+}
+
+function ruleOf(cls: DtoClass): ClassRule | null {
+  if (compiled.has(cls)) return compiled.get(cls)!;
+  compiled.set(cls, null); // a class nested in itself is refused rather than looped over
+  const rule = compileClass(cls);
+  compiled.set(cls, rule);
+  return rule;
+}
+
+function compileClass(cls: DtoClass): ClassRule | null {
+  const storage = getMetadataStorage();
+  // The arguments validateSync's executor passes for a class without groups or schemas.
+  const metadatas = storage.getTargetValidationMetadatas(cls, undefined as unknown as string, false, false, undefined);
+  if (metadatas.length === 0) return null;
+  if (Object.getOwnPropertyNames(cls.prototype).some((name) => name !== 'constructor')) return null;
+  if (defaultMetadataStorage.getExposedMetadatas(cls).length > 0 || defaultMetadataStorage.getExcludedMetadatas(cls).length > 0) {
+    return null;
+  }
+  const byProperty = storage.groupByPropertyName(metadatas);
+  const properties: PropertyRule[] = [];
+  const types = new Map<string, DtoClass>();
+  for (const [name, list] of Object.entries(byProperty)) {
+    if (defaultMetadataStorage.findTransformMetadatas(cls, name, TransformationType.PLAIN_TO_CLASS).length > 0) return null;
+    const type = defaultMetadataStorage.findTypeMetadata(cls, name);
+    if (type) {
+      const nestedClass = type.options?.discriminator ? undefined : typeOf(type.typeFunction);
+      const container = type.reflectedType as unknown;
+      const plainContainer = container === undefined || container === Array || container === Object || container === nestedClass;
+      if (!nestedClass || !plainContainer || !isPlainClass(nestedClass) || !ruleOf(nestedClass)) return null;
+      types.set(name, nestedClass);
+    }
+    const rule: PropertyRule = { name, conditions: [], checks: [], nested: false };
+    const defined: Check[] = [];
+    for (const metadata of list) {
+      if (typeof metadata.target === 'string') return null;
+      switch (metadata.type) {
+        case ValidationTypes.CONDITIONAL_VALIDATION:
+          rule.conditions.push(metadata.constraints[0] as Check);
+          break;
+        case ValidationTypes.IS_DEFINED:
+        case ValidationTypes.CUSTOM_VALIDATION: {
+          const check = constraintCheck(metadata);
+          if (!check) return null;
+          (metadata.type === ValidationTypes.IS_DEFINED ? defined : rule.checks).push(check);
+          break;
+        }
+        case ValidationTypes.NESTED_VALIDATION:
+          rule.nested = true;
+          break;
+        case ValidationTypes.WHITELIST:
+          break;
+        default:
+          return null;
+      }
+    }
+    rule.checks.unshift(...defined);
+    properties.push(rule);
+  }
+  return { known: new Set(Object.keys(byProperty)), properties, types };
+}
+
+/** The class a `@Type(() => Class)` names; undefined for a type function that needs class-transformer's arguments. */
+function typeOf(typeFunction: (() => unknown) | undefined): DtoClass | undefined {
+  try {
+    return typeFunction?.() as DtoClass | undefined;
+  } catch {
+    return undefined;
+  }
+}
+
+/** A class class-transformer would build with `new` and plain assignments (no constructor parameters used). */
+function isPlainClass(cls: unknown): boolean {
+  return (
+    cls !== String && cls !== Number && cls !== Boolean && cls !== Date && cls !== Map && cls !== Set && cls !== Array && cls !== Object
+  );
+}
+
+/** One `customValidation` (or `isDefined`) metadata as ValidationExecutor.customValidations runs it in validateSync. */
+function constraintCheck(metadata: ValidationMetadata): Check | undefined {
+  const constraints = getMetadataStorage().getTargetValidatorConstraints(metadata.constraintCls);
+  if (constraints.some((c) => c.async)) return undefined; // validateSync skips these; nothing to mirror
+  const validators = constraints.map((c) => c.instance as { validate(value: unknown, args: ValidationArguments): unknown });
+  const { each, validateIf, propertyName, constraints: values } = metadata;
+  return (object, value) => {
+    if (validateIf && !validateIf(object, value)) return true;
+    const args: ValidationArguments = { targetName: object.constructor?.name, property: propertyName, object, value, constraints: values };
+    for (const validator of validators) {
+      if (!each || !(Array.isArray(value) || value instanceof Set || value instanceof Map)) {
+        const valid = validator.validate(value, args);
+        if (!isPromise(valid) && !valid) return false;
+        continue;
+      }
+      const results = Array.from(value instanceof Map ? value.values() : value, (element) => validator.validate(element, args));
+      if (!results.some(isPromise) && !results.every(Boolean)) return false;
+    }
+    return true;
+  };
+}
+
+function isPromise(value: unknown): boolean {
+  return value !== null && typeof value === 'object' && typeof (value as { then?: unknown }).then === 'function';
+}
+
+/** ValidationExecutor.execute for an instance: unknown keys, then every property. */
+function passes(object: object): boolean {
+  const rule = compiled.get(object.constructor);
+  if (!rule) return false; // forbidUnknownValues: an object of a class without metadata
+  for (const key of Object.keys(object)) if (!rule.known.has(key)) return false;
+  const record = object as Record<string, unknown>;
+  for (const property of rule.properties) {
+    const value = record[property.name];
+    if (!all(property.conditions, record, value)) continue;
+    if (!all(property.checks, record, value)) return false;
+    if (property.nested && !nestedPasses(value)) return false;
+  }
+  return true;
+}
+
+/** `checks.every(...)` without a closure a call: this runs for every property of every request. */
+function all(checks: Check[], object: Record<string, unknown>, value: unknown): boolean {
+  for (const check of checks) if (!check(object, value)) return false;
+  return true;
+}
+
+/** ValidationExecutor.nestedValidations: undefined passes; arrays element by element; objects by their class. */
+function nestedPasses(value: unknown): boolean {
+  if (value === undefined) return true;
+  if (Array.isArray(value) || value instanceof Set || value instanceof Map) {
+    for (const element of value instanceof Map ? value.values() : value) if (!nestedPasses(element)) return false;
+    return true;
+  }
+  return value instanceof Object && passes(value);
+}
+
+/** plainToInstance for a JSON value whose class has a rule. */
+function build(cls: new () => object, rule: ClassRule, plain: object): object {
+  const instance = new cls() as Record<string, unknown>;
+  for (const key of Object.keys(plain)) {
+    if (key === '__proto__' || key === 'constructor') continue;
+    const value = (plain as Record<string, unknown>)[key];
+    const type = rule.types.get(key);
+    instance[key] = type ? buildTyped(type, value) : copy(value);
+  }
+  return instance;
+}
+
+function buildTyped(type: new () => object, value: unknown): unknown {
+  if (Array.isArray(value)) return value.map((element) => buildTyped(type, element));
+  if (value === null || typeof value !== 'object') return value;
+  return build(type, compiled.get(type)!, value);
+}
+
+/**
+ * A JSON value copied as class-transformer copies an untyped one, except that a "constructor" key is
+ * kept as data (an attribute may be called that); class-transformer throws on it, which answered 500.
+ */
+function copy(value: unknown): unknown {
+  if (Array.isArray(value)) return value.map(copy);
+  if (value === null || typeof value !== 'object') return value;
+  const out: Record<string, unknown> = {};
+  for (const key of Object.keys(value)) {
+    if (key === '__proto__') continue; // Fastify refuses it before this; it would set the prototype
+    out[key] = copy((value as Record<string, unknown>)[key]);
+  }
+  return out;
+}
