@@ -70,13 +70,35 @@ function rssMb(pid: number): number {
   return Number(/VmRSS:\s+(\d+)/.exec(status)![1]) / 1024;
 }
 
-async function repeat(label: string, once: () => Promise<LoadResult>): Promise<LoadResult> {
-  const runs: LoadResult[] = [];
-  for (let i = 0; i < REPEAT; i++) runs.push(await once());
-  const m = median(runs);
+function report(label: string, m: LoadResult): LoadResult {
   say(`${label}: ${m.rps.toFixed(0)}/s p50 ${m.p50.toFixed(2)} ms p99 ${m.p99.toFixed(2)} ms ${JSON.stringify(m.byStatus)}`);
   if (m.cpu) say(`  CPU per operation, µs: ${cpuCell(m)}`);
   return m;
+}
+
+async function repeat(label: string, once: () => Promise<LoadResult>): Promise<LoadResult> {
+  const runs: LoadResult[] = [];
+  for (let i = 0; i < REPEAT; i++) runs.push(await once());
+  return report(label, median(runs));
+}
+
+/**
+ * The runs of servers that are compared with each other, taken in turn (REPEAT rounds, each starting
+ * one further along the list) rather than one server's runs after another's: this machine's speed
+ * drifts by tens of per cent within minutes, and a ratio of two runs minutes apart measures that drift
+ * as much as the servers. Between two runs, `settleMs` lets the last one's holds expire and be swept,
+ * so that work does not fall into the next server's run. Returns each server's median run.
+ */
+async function interleaved(settleMs: number, servers: { label: string; once: () => Promise<LoadResult> }[]): Promise<LoadResult[]> {
+  const runs = servers.map((): LoadResult[] => []);
+  for (let round = 0; round < REPEAT; round++) {
+    for (let k = 0; k < servers.length; k++) {
+      const i = (round + k) % servers.length;
+      runs[i].push(await servers[i].once());
+      await sleep(settleMs);
+    }
+  }
+  return servers.map((server, i) => report(server.label, median(runs[i])));
 }
 
 async function main(): Promise<void> {
@@ -151,20 +173,6 @@ async function main(): Promise<void> {
     const ceilingHttp = client(ceilingUrl, CONNECTIONS);
     say(`machine: ${os.cpus().length} × ${os.cpus()[0].model}, ${(os.totalmem() / 2 ** 30).toFixed(0)} GiB, Node ${process.version}`);
 
-    const ceiling = await repeat('ceiling (bare Fastify + reserve EVALSHA)', () =>
-      runWrk(
-        ceilingUrl,
-        CONNECTIONS,
-        RUN_MS,
-        { request: { method: 'POST', path: '/reserve', body: {} } },
-        1000,
-        probeOf(ceilingProcess.pid!),
-      ),
-    );
-    const ceilingNode = await repeat('ceiling, Node load generator', () =>
-      runLoad(CONNECTIONS, RUN_MS, async () => String((await ceilingHttp.call('POST', '/reserve', {})).status)),
-    );
-
     // Two floors for the reserve latency, with the loader that judges it: a Fastify endpoint that answers
     // without Redis, and the least a TTL-hold reserve of 3 can do in Redis (bench/ceiling.ts).
     const floorOf = async (mode: 'floor' | 'minimal') => {
@@ -173,40 +181,62 @@ async function main(): Promise<void> {
         for (let i = 0; i < 100_000; i += 10_000)
           await redis.sadd(`${PREFIX}{minimal}:free`, ...Array.from({ length: 10_000 }, (_, j) => `${i + j + 1}:0`));
       }
-      const floorHttp = client(floorUrl, CONNECTIONS);
-      const result = await repeat(`${mode}, Node load generator`, () =>
-        runLoad(CONNECTIONS, RUN_MS, async () => String((await floorHttp.call('POST', '/reserve', {})).status)),
-      );
-      await floorHttp.close();
+      return { child, http: client(floorUrl, CONNECTIONS) };
+    };
+    const floorServer = await floorOf('floor');
+    const minimalServer = await floorOf('minimal');
+
+    // Reserve, count 3, on a 100,000-item pool (holds of 1 s, returned by the sweeper), taken in turn
+    // with the ceiling (wrk), and with the ceiling and the floors (the Node loader).
+    await createPool('reserve', 'number', 100_000);
+    const reserveBody = { owner: 'bench', count: 3, ttlMs: 1000 };
+    let rssPeak = 0;
+    const rssTimer = setInterval(() => (rssPeak = Math.max(rssPeak, rssMb(service.pid!))), 200);
+    const [ceiling, reserve] = await interleaved(1500, [
+      {
+        label: 'ceiling (bare Fastify + reserve EVALSHA)',
+        once: () =>
+          runWrk(
+            ceilingUrl,
+            CONNECTIONS,
+            RUN_MS,
+            { request: { method: 'POST', path: '/reserve', body: {} } },
+            1000,
+            probeOf(ceilingProcess.pid!),
+          ),
+      },
+      {
+        label: 'respool reserve(3)',
+        once: () =>
+          runWrk(
+            url,
+            CONNECTIONS,
+            RUN_MS,
+            { request: { method: 'POST', path: '/v1/pools/reserve/reservations', body: reserveBody } },
+            1000,
+            probeOf(service.pid!),
+          ),
+      },
+    ]);
+    const nodeRun = (target: Call, path: string, body: unknown) => () =>
+      runLoad(CONNECTIONS, RUN_MS, async () => String((await target('POST', path, body)).status));
+    const [ceilingNode, floor, minimal, reserveNode] = await interleaved(1500, [
+      { label: 'ceiling, Node load generator', once: nodeRun(ceilingHttp.call, '/reserve', {}) },
+      { label: 'floor, Node load generator', once: nodeRun(floorServer.http.call, '/reserve', {}) },
+      { label: 'minimal, Node load generator', once: nodeRun(minimalServer.http.call, '/reserve', {}) },
+      { label: 'respool reserve(3), Node load generator', once: nodeRun(call, '/v1/pools/reserve/reservations', reserveBody) },
+    ]);
+    for (const [mode, result, server] of [
+      ['floor', floor, floorServer],
+      ['minimal', minimal, minimalServer],
+    ] as const) {
       // A floor measured on anything but successes (a pool run dry answers fast 409s) would flatter it.
       if (Object.keys(result.byStatus).some((status) => status !== '201')) {
         throw new Error(`the ${mode} floor answered ${JSON.stringify(result.byStatus)}`);
       }
-      child.kill('SIGTERM');
-      return result;
-    };
-    const floor = await floorOf('floor');
-    const minimal = await floorOf('minimal');
-
-    // Reserve, count 3, on a 100,000-item pool (holds of 1 s, returned by the sweeper).
-    await createPool('reserve', 'number', 100_000);
-    let rssPeak = 0;
-    const rssTimer = setInterval(() => (rssPeak = Math.max(rssPeak, rssMb(service.pid!))), 200);
-    const reserve = await repeat('respool reserve(3)', () =>
-      runWrk(
-        url,
-        CONNECTIONS,
-        RUN_MS,
-        { request: { method: 'POST', path: '/v1/pools/reserve/reservations', body: { owner: 'bench', count: 3, ttlMs: 1000 } } },
-        1000,
-        probeOf(service.pid!),
-      ),
-    );
-    const reserveNode = await repeat('respool reserve(3), Node load generator', () =>
-      runLoad(CONNECTIONS, RUN_MS, async () =>
-        String((await call('POST', '/v1/pools/reserve/reservations', { owner: 'bench', count: 3, ttlMs: 1000 })).status),
-      ),
-    );
+      await server.http.close();
+      server.child.kill('SIGTERM');
+    }
     clearInterval(rssTimer);
     // Redis' own time per reservation: the reserve script, and the sweep script that expires it later.
     await sleep(2500); // the holds of the runs above expire and are swept
@@ -305,26 +335,6 @@ async function main(): Promise<void> {
         await Promise.all(ready.slice(i, i + CONNECTIONS).map((r) => target.call('DELETE', target.releasePath(r.id))));
       return result;
     };
-    const confirmOnly = await repeat('respool confirm(1 of 3), reservations made before', () =>
-      confirmRun({
-        url,
-        call,
-        reserve: { path: '/v1/pools/confirm/reservations', body: { owner: 'buyer', count: 3, ttlMs: 600_000 } },
-        confirmPath: (id) => `/v1/reservations/${id}/confirm`,
-        releasePath: (id) => `/v1/reservations/${id}`,
-        pid: service.pid!,
-        warmup: WARMUP_CONFIRMS,
-        timed: QUICK ? 20_000 : 50_000,
-      }),
-    );
-    const confirm = await repeat('respool cycle: reserve(3) + confirm(1)', () =>
-      runLoad(CONNECTIONS, RUN_MS, async () => {
-        const r = await call('POST', '/v1/pools/confirm/reservations', { owner: 'buyer', count: 3, ttlMs: 60_000 });
-        if (r.status !== 201) return `reserve ${r.status}`;
-        const c = await call('POST', `/v1/reservations/${r.body.id}/confirm`, { resourceIds: [r.body.items[0].resourceId] });
-        return String(c.status);
-      }),
-    );
     // The classic design at the same concurrency: random free row + version-checked UPDATE, retry on conflict.
     await createPool('classic', 'number', 100_000);
     const sql = new pg.Client({ connectionString: DB_URL });
@@ -337,16 +347,6 @@ async function main(): Promise<void> {
       )
     ).rows[0];
     const { child: classicProcess, url: classicUrl } = await startBaseline('classic', DB_URL, ids.pool, ids.hi, ids.lo);
-    const classic = await repeat('classic: random free row + version-checked UPDATE', () =>
-      runWrk(
-        classicUrl,
-        CONNECTIONS,
-        RUN_MS,
-        { request: { method: 'POST', path: '/allocate', body: {} } },
-        1000,
-        probeOf(classicProcess.pid!),
-      ),
-    );
     // The floor for confirm: DESIGN.md's mechanism at its barest (bench/ceiling.ts, mode minimal), on
     // rows of its own pool, measured like respool's confirm.
     // Each run holds (warm-up + timed) × 3 items at its peak, and allocates up to one per confirm it makes.
@@ -359,20 +359,60 @@ async function main(): Promise<void> {
       await redis.sadd(`${floorPrefix}{minimal}:free`, ...floorRows.rows.slice(i, i + 10_000).map((r) => `${r.id}:${r.version}`));
     const { child: floorProcess, url: floorUrl } = await startBaseline('minimal', REDIS_URL, floorPrefix, DB_URL);
     const floorHttp = client(floorUrl, CONNECTIONS);
-    const floorConfirm = await repeat('floor: minimal confirm(1 of 3)', () =>
-      confirmRun({
-        url: floorUrl,
-        call: floorHttp.call,
-        reserve: { path: '/reserve', body: { ttlMs: 600_000 } },
-        confirmPath: (id) => `/reserve/${id}/confirm`,
-        releasePath: (id) => `/reserve/${id}`,
-        pid: floorProcess.pid!,
-        warmup: 3 * WARMUP_CONFIRMS,
-        timed: QUICK ? 50_000 : 120_000,
-      }),
-    );
+    // respool's confirm, the classic design and the minimal floor, taken in turn.
+    const [confirmOnly, classic, floorConfirm] = await interleaved(1000, [
+      {
+        label: 'respool confirm(1 of 3), reservations made before',
+        once: () =>
+          confirmRun({
+            url,
+            call,
+            reserve: { path: '/v1/pools/confirm/reservations', body: { owner: 'buyer', count: 3, ttlMs: 600_000 } },
+            confirmPath: (id) => `/v1/reservations/${id}/confirm`,
+            releasePath: (id) => `/v1/reservations/${id}`,
+            pid: service.pid!,
+            warmup: WARMUP_CONFIRMS,
+            timed: QUICK ? 20_000 : 50_000,
+          }),
+      },
+      {
+        label: 'classic: random free row + version-checked UPDATE',
+        once: () =>
+          runWrk(
+            classicUrl,
+            CONNECTIONS,
+            RUN_MS,
+            { request: { method: 'POST', path: '/allocate', body: {} } },
+            1000,
+            probeOf(classicProcess.pid!),
+          ),
+      },
+      {
+        label: 'floor: minimal confirm(1 of 3)',
+        once: () =>
+          confirmRun({
+            url: floorUrl,
+            call: floorHttp.call,
+            reserve: { path: '/reserve', body: { ttlMs: 600_000 } },
+            confirmPath: (id) => `/reserve/${id}/confirm`,
+            releasePath: (id) => `/reserve/${id}`,
+            pid: floorProcess.pid!,
+            warmup: 3 * WARMUP_CONFIRMS,
+            timed: QUICK ? 50_000 : 120_000,
+          }),
+      },
+    ]);
     await floorHttp.close();
     floorProcess.kill('SIGTERM');
+    classicProcess.kill('SIGTERM');
+    const confirm = await repeat('respool cycle: reserve(3) + confirm(1)', () =>
+      runLoad(CONNECTIONS, RUN_MS, async () => {
+        const r = await call('POST', '/v1/pools/confirm/reservations', { owner: 'buyer', count: 3, ttlMs: 60_000 });
+        if (r.status !== 201) return `reserve ${r.status}`;
+        const c = await call('POST', `/v1/reservations/${r.body.id}/confirm`, { resourceIds: [r.body.items[0].resourceId] });
+        return String(c.status);
+      }),
+    );
     const confirmsPerSec = confirmOnly.rps * ((confirmOnly.byStatus['2xx'] ?? 0) / confirmOnly.ops);
     const floorConfirmsPerSec = floorConfirm.rps * ((floorConfirm.byStatus['2xx'] ?? 0) / floorConfirm.ops);
     const cyclesPerSec = confirm.rps * ((confirm.byStatus['200'] ?? 0) / confirm.ops);
@@ -583,7 +623,9 @@ reserve, confirm, classic); the bench's own Node loop (undici) for those made of
 complete, contention, growth) and for the ceiling and reserve once more: wrk corrects its latencies for coordinated
 omission (it adds the samples of requests it could not send on schedule), so the reserve latency target is judged on
 the Node loader's raw latencies, and wrk's are shown beside them. Each figure but growth's (see below) is the median of
-${REPEAT} runs of ${RUN_MS / 1000} s after a 1 s warm-up, at ${CONNECTIONS} connections unless the row says otherwise. The machine is
+${REPEAT} runs of ${RUN_MS / 1000} s after a 1 s warm-up, at ${CONNECTIONS} connections unless the row says otherwise. The servers
+a ratio compares are run in turn, round after round (respool's reserve with the ceiling and the floors; its confirm
+with the classic design and the minimal floor), so that the machine's drift falls on each of them alike. The machine is
 shared and noisy: read ratios, not absolutes.
 
 ![throughput chart](benchmarks.svg)
