@@ -13,9 +13,10 @@ export type DtoClass = new () => object;
  *
  * - `build(plain)` makes the instance `plainToInstance(cls, plain)` makes from a JSON value: a `cls`
  *   instance with the plain keys copied (`__proto__` and `constructor` skipped, as class-transformer
- *   does), nested objects and arrays copied, `@Type` properties built as instances of their class.
- *   One difference: a "constructor" key inside a plain record (`attributes`) is kept, where
- *   class-transformer throws a TypeError.
+ *   does, like any key naming a function of the instance, such as `toString`), nested objects and arrays
+ *   copied, `@Type` properties built as instances of their class. One difference: inside a plain record
+ *   (`attributes`) every key is data, where class-transformer throws a TypeError on "constructor" and
+ *   drops "toString" and its kind.
  * - `passes(instance)` says whether `validateSync(instance, { whitelist, forbidNonWhitelisted,
  *   forbidUnknownValues })` would find no error: the same metadata, the same constraint instances
  *   called with the same arguments, the same rules for `@IsOptional`, `each`, nested objects and unknown
@@ -23,8 +24,8 @@ export type DtoClass = new () => object;
  *
  * A value `passes` refuses still goes through `validateSync` for the messages (`DtoValidationPipe`),
  * so a 400 reads as before; `passes` only spares valid requests that work. A class using anything
- * this does not mirror (`@Transform`, `@Expose`, `@Exclude`, discriminators, async or promise
- * validation, schemas, accessors) is not compiled, and the pipe uses class-transformer and
+ * this does not mirror (`@Transform`, `@Expose`, `@Exclude`, discriminators, a `@Type` function that
+ * takes arguments, async or promise validation, schemas, methods or accessors) is not compiled, and the pipe uses class-transformer and
  * class-validator as they are. `test/unit/compiled-dto.test.ts` checks both functions against the two
  * libraries on every DTO, over valid and invalid values alike.
  */
@@ -78,8 +79,12 @@ function compileClass(cls: DtoClass): ClassRule | null {
   // The arguments validateSync's executor passes for a class without groups or schemas.
   const metadatas = storage.getTargetValidationMetadatas(cls, undefined as unknown as string, false, false, undefined);
   if (metadatas.length === 0) return null;
-  if (Object.getOwnPropertyNames(cls.prototype).some((name) => name !== 'constructor')) return null;
-  if (defaultMetadataStorage.getExposedMetadatas(cls).length > 0 || defaultMetadataStorage.getExcludedMetadatas(cls).length > 0) {
+  if (hasAccessorsOrMethods(cls)) return null;
+  if (
+    defaultMetadataStorage.getStrategy(cls) !== 'none' ||
+    defaultMetadataStorage.getExposedMetadatas(cls).length > 0 ||
+    defaultMetadataStorage.getExcludedMetadatas(cls).length > 0
+  ) {
     return null;
   }
   const byProperty = storage.groupByPropertyName(metadatas);
@@ -125,10 +130,26 @@ function compileClass(cls: DtoClass): ClassRule | null {
   return { known: new Set(Object.keys(byProperty)), properties, types };
 }
 
-/** The class a `@Type(() => Class)` names; undefined for a type function that needs class-transformer's arguments. */
-function typeOf(typeFunction: (() => unknown) | undefined): DtoClass | undefined {
+/** Methods or accessors on the class or a parent class: class-transformer skips keys named like them. */
+function hasAccessorsOrMethods(cls: DtoClass): boolean {
+  for (
+    let proto = cls.prototype as object | null;
+    proto && proto !== Object.prototype;
+    proto = Object.getPrototypeOf(proto) as object | null
+  ) {
+    if (Object.getOwnPropertyNames(proto).some((name) => name !== 'constructor')) return true;
+  }
+  return false;
+}
+
+/**
+ * The class a `@Type(() => Class)` names; undefined for a type function that takes class-transformer's
+ * arguments (its class may depend on the value) or throws without them.
+ */
+function typeOf(typeFunction: ((...args: never[]) => unknown) | undefined): DtoClass | undefined {
+  if (!typeFunction || typeFunction.length > 0) return undefined;
   try {
-    return typeFunction?.() as DtoClass | undefined;
+    return typeFunction() as DtoClass | undefined;
   } catch {
     return undefined;
   }
@@ -202,7 +223,8 @@ function nestedPasses(value: unknown): boolean {
 function build(cls: new () => object, rule: ClassRule, plain: object): object {
   const instance = new cls() as Record<string, unknown>;
   for (const key of Object.keys(plain)) {
-    if (key === '__proto__' || key === 'constructor') continue;
+    // As class-transformer: a key naming a function of the instance (toString, hasOwnProperty...) is skipped.
+    if (key === '__proto__' || key === 'constructor' || instance[key] instanceof Function) continue;
     const value = (plain as Record<string, unknown>)[key];
     const type = rule.types.get(key);
     instance[key] = type ? buildTyped(type, value) : copy(value);
@@ -217,8 +239,9 @@ function buildTyped(type: new () => object, value: unknown): unknown {
 }
 
 /**
- * A JSON value copied as class-transformer copies an untyped one, except that a "constructor" key is
- * kept as data (an attribute may be called that); class-transformer throws on it, which answered 500.
+ * A JSON value copied as class-transformer copies an untyped one, except that every key is kept as data
+ * (an attribute may be called "constructor" or "toString"): class-transformer threw on "constructor"
+ * (a 500) and silently dropped keys named like a function every object has.
  */
 function copy(value: unknown): unknown {
   if (Array.isArray(value)) return value.map(copy);

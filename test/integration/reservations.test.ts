@@ -235,12 +235,19 @@ describe('reservations', () => {
     expect(await stats('filters')).toMatchObject({ free: 1, held: 3 });
   });
 
-  it('takes an attribute named "constructor" as data, on import and in a filter', async () => {
-    await seedPool(api, 'ctor', [{ value: '13700000001', attributes: { constructor: 'x' } }, { value: '13700000002' }]);
+  it('takes attributes named "constructor" or "toString" as data, on import and in a filter', async () => {
+    await seedPool(api, 'ctor', [
+      { value: '13700000001', attributes: { constructor: 'x' } },
+      { value: '13700000002', attributes: { toString: 'y' } },
+      { value: '13700000003' },
+    ]);
     const held = await reserve('ctor', { owner: 'a', filter: { attributes: { constructor: 'x' } } });
     expect(held.status).toBe(201);
     expect(held.body.items[0]).toMatchObject({ value: '13700000001', attributes: { constructor: 'x' } });
     expect((await reserve('ctor', { owner: 'b', filter: { attributes: { constructor: 'x' } } })).status).toBe(409);
+    const other = await reserve('ctor', { owner: 'c', filter: { attributes: { toString: 'y' } } });
+    expect(other.body.items[0]).toMatchObject({ value: '13700000002', attributes: { toString: 'y' } });
+    expect((await reserve('ctor', { owner: 'd', filter: { attributes: { toString: 'y' } } })).status).toBe(409);
   });
 
   it('invariant 6: bad input is a 400 VALIDATION_FAILED listing each field, and changes nothing', async () => {
@@ -258,6 +265,8 @@ describe('reservations', () => {
       [{ owner: 'u', waitMs: 100 }, 'waitMs'],
       [{ owner: 'u', filter: { attributes: { city: { nested: 1 } } } }, 'filter.attributes'],
       [{ owner: 'u', filter: { colour: 'red' } }, 'filter.colour'],
+      [{ owner: 'u', filter: [] }, 'filter'],
+      [{ owner: 'u', filter: [{ attributes: { city: 'bj' } }] }, 'filter'],
       [{ owner: 'u', surprise: true }, 'surprise'],
     ];
     for (const [body, field] of cases) {
