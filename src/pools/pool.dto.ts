@@ -6,6 +6,7 @@ import {
   IsArray,
   IsIn,
   IsInt,
+  IsObject,
   IsOptional,
   IsString,
   Length,
@@ -135,6 +136,7 @@ export class ImportResourcesDto {
   @IsArray()
   @ArrayMinSize(1)
   @ArrayMaxSize(10_000)
+  @IsObject({ each: true })
   @ValidateNested({ each: true })
   @Type(() => ImportItemDto)
   items: ImportItemDto[];

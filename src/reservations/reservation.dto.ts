@@ -6,6 +6,7 @@ import {
   ArrayUnique,
   IsArray,
   IsInt,
+  IsObject,
   IsOptional,
   IsString,
   Length,
@@ -79,6 +80,7 @@ export class CreateReservationDto {
 
   @ApiPropertyOptional({ description: 'Restrict the items that may be held', type: ReservationFilterDto })
   @IsOptional()
+  @IsObject()
   @ValidateNested()
   @Type(() => ReservationFilterDto)
   filter?: ReservationFilterDto;

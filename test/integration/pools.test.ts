@@ -96,6 +96,8 @@ describe('pools and resources', () => {
       { items: [{ value: 'y', extra: 1 }] },
       { items: Array.from({ length: 10_001 }, (_, i) => ({ value: `v${i}` })) },
       { items: 'nope' },
+      { items: [[{ value: 'a' }]] },
+      { items: [[]] },
     ]) {
       const answer = await api.post('/v1/pools/import-bad/resources', body);
       expect(answer.status).toBe(400);
