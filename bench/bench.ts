@@ -558,7 +558,7 @@ async function main(): Promise<void> {
     });
     const small = growth[0].r;
     for (const g of growth) {
-      const flat = g.r.p50 <= small.p50 * 1.1 + 0.05 && g.r.p99 <= small.p99 * 1.1 + 0.2;
+      const flat = g.r.p50 <= small.p50 * 1.1 && g.r.p99 <= small.p99 * 1.1;
       record(
         `reserve on ${g.size.toLocaleString('en')} items, p50 / p99 ms`,
         `${g.r.p50.toFixed(2)} / ${g.r.p99.toFixed(2)}`,
