@@ -101,6 +101,14 @@ async function interleaved(settleMs: number, servers: { label: string; once: () 
   return servers.map((server, i) => report(server.label, median(runs[i])));
 }
 
+/** A server for `interleaved`: wrk sends it one fixed POST over and over; its process's CPU is counted. */
+function wrkServer(label: string, url: string, path: string, body: unknown, pid: number) {
+  return {
+    label,
+    once: () => runWrk(url, CONNECTIONS, RUN_MS, { request: { method: 'POST', path, body } }, 1000, probeOf(pid)),
+  };
+}
+
 async function main(): Promise<void> {
   ensureWrk();
   const admin = new pg.Client({ connectionString: PG_ADMIN });
@@ -193,30 +201,8 @@ async function main(): Promise<void> {
     let rssPeak = 0;
     const rssTimer = setInterval(() => (rssPeak = Math.max(rssPeak, rssMb(service.pid!))), 200);
     const [ceiling, reserve] = await interleaved(1500, [
-      {
-        label: 'ceiling (bare Fastify + reserve EVALSHA)',
-        once: () =>
-          runWrk(
-            ceilingUrl,
-            CONNECTIONS,
-            RUN_MS,
-            { request: { method: 'POST', path: '/reserve', body: {} } },
-            1000,
-            probeOf(ceilingProcess.pid!),
-          ),
-      },
-      {
-        label: 'respool reserve(3)',
-        once: () =>
-          runWrk(
-            url,
-            CONNECTIONS,
-            RUN_MS,
-            { request: { method: 'POST', path: '/v1/pools/reserve/reservations', body: reserveBody } },
-            1000,
-            probeOf(service.pid!),
-          ),
-      },
+      wrkServer('ceiling (bare Fastify + reserve EVALSHA)', ceilingUrl, '/reserve', {}, ceilingProcess.pid!),
+      wrkServer('respool reserve(3)', url, '/v1/pools/reserve/reservations', reserveBody, service.pid!),
     ]);
     const nodeRun = (target: Call, path: string, body: unknown) => () =>
       runLoad(CONNECTIONS, RUN_MS, async () => String((await target('POST', path, body)).status));
@@ -375,18 +361,7 @@ async function main(): Promise<void> {
             timed: QUICK ? 20_000 : 50_000,
           }),
       },
-      {
-        label: 'classic: random free row + version-checked UPDATE',
-        once: () =>
-          runWrk(
-            classicUrl,
-            CONNECTIONS,
-            RUN_MS,
-            { request: { method: 'POST', path: '/allocate', body: {} } },
-            1000,
-            probeOf(classicProcess.pid!),
-          ),
-      },
+      wrkServer('classic: random free row + version-checked UPDATE', classicUrl, '/allocate', {}, classicProcess.pid!),
       {
         label: 'floor: minimal confirm(1 of 3)',
         once: () =>
