@@ -25,8 +25,8 @@ export type DtoClass = new () => object;
  * A value `passes` refuses still goes through `validateSync` for the messages (`DtoValidationPipe`),
  * so a 400 reads as before; `passes` only spares valid requests that work. A class using anything
  * this does not mirror (`@Transform`, `@Expose`, `@Exclude`, discriminators, a `@Type` function that
- * takes arguments, async or promise validation, schemas, methods or accessors) is not compiled, and the pipe uses class-transformer and
- * class-validator as they are. `test/unit/compiled-dto.test.ts` checks both functions against the two
+ * takes arguments, async or promise validation, schemas, methods or accessors) is not compiled, and
+ * the pipe uses class-transformer and class-validator as they are. `test/unit/compiled-dto.test.ts` checks both functions against the two
  * libraries on every DTO, over valid and invalid values alike.
  */
 export interface CompiledDto {
@@ -58,12 +58,15 @@ interface ClassRule {
 }
 
 const compiled = new Map<unknown, ClassRule | null>();
+const dtos = new Map<DtoClass, CompiledDto | undefined>();
 
-/** The compiled form of a DTO class, or undefined when it uses something not mirrored here. */
+/** The compiled form of a DTO class (compiled on first use), or undefined when it uses something not mirrored here. */
 export function compileDto(cls: DtoClass): CompiledDto | undefined {
-  const rule = ruleOf(cls);
-  if (!rule) return undefined;
-  return { build: (plain) => build(cls, rule, plain), passes: (instance) => passes(instance) };
+  if (!dtos.has(cls)) {
+    const rule = ruleOf(cls);
+    dtos.set(cls, rule ? { build: (plain) => build(cls, rule, plain), passes } : undefined);
+  }
+  return dtos.get(cls);
 }
 
 function ruleOf(cls: DtoClass): ClassRule | null {
@@ -220,7 +223,7 @@ function nestedPasses(value: unknown): boolean {
 }
 
 /** plainToInstance for a JSON value whose class has a rule. */
-function build(cls: new () => object, rule: ClassRule, plain: object): object {
+function build(cls: DtoClass, rule: ClassRule, plain: object): object {
   const instance = new cls() as Record<string, unknown>;
   for (const key of Object.keys(plain)) {
     // As class-transformer: a key naming a function of the instance (toString, hasOwnProperty...) is skipped.
@@ -232,7 +235,7 @@ function build(cls: new () => object, rule: ClassRule, plain: object): object {
   return instance;
 }
 
-function buildTyped(type: new () => object, value: unknown): unknown {
+function buildTyped(type: DtoClass, value: unknown): unknown {
   if (Array.isArray(value)) return value.map((element) => buildTyped(type, element));
   if (value === null || typeof value !== 'object') return value;
   return build(type, compiled.get(type)!, value);

@@ -1,7 +1,7 @@
 import { ArgumentMetadata, Injectable, PipeTransform, ValidationError } from '@nestjs/common';
 import { plainToInstance } from 'class-transformer';
 import { validateSync, ValidatorOptions } from 'class-validator';
-import { compileDto, CompiledDto, DtoClass } from './compiled-dto.js';
+import { compileDto, DtoClass } from './compiled-dto.js';
 import { DomainError, FieldError } from './errors.js';
 
 /** Flattens class-validator's tree into `{ field: "filter.attributes", reason }` entries. */
@@ -33,8 +33,6 @@ const UNVALIDATED = new Set<unknown>([String, Number, Boolean, Array, Object]);
  */
 @Injectable()
 export class DtoValidationPipe implements PipeTransform {
-  private readonly compiled = new Map<DtoClass, CompiledDto | undefined>();
-
   transform(value: unknown, { metatype, type }: ArgumentMetadata): unknown {
     if (type === 'custom' || !metatype || UNVALIDATED.has(metatype)) return value;
     const plain = value ?? {};
@@ -42,17 +40,12 @@ export class DtoValidationPipe implements PipeTransform {
       throw DomainError.validation([{ field: type, reason: `the ${type} must be a JSON object` }]);
     }
     const cls = metatype as DtoClass;
-    const dto = this.compiledFor(cls);
+    const dto = compileDto(cls);
     const instance = dto ? dto.build(plain) : plainToInstance(cls, plain);
     if (dto?.passes(instance)) return instance;
     const errors = validateSync(instance, VALIDATOR_OPTIONS);
     if (errors.length > 0) throw DomainError.validation(flattenValidationErrors(errors));
     return instance;
-  }
-
-  private compiledFor(cls: DtoClass): CompiledDto | undefined {
-    if (!this.compiled.has(cls)) this.compiled.set(cls, compileDto(cls));
-    return this.compiled.get(cls);
   }
 }
 
