@@ -1,40 +1,13 @@
 import { MigrationInterface, QueryRunner } from 'typeorm';
 
-/**
- * The commits of confirms as one server-side function that takes a batch of them: one round trip and one
- * transaction (one WAL flush) for every confirm that arrived while the previous batches were in flight.
- * Each commit of the batch runs in its own subtransaction, so it lands or fails on its own; the function
- * returns one result per commit.
- *
- * Per commit, in this order (as in the single transaction it replaces):
- * 1. (once per batch) the generation lock, shared: a bump of the Redis generation takes it exclusively
- *    and waits for us; a VOLATILE function takes a fresh snapshot for each statement, so the statements
- *    after it see a bump that committed while we waited;
- * 2. the Redis generation the holds were taken in must still be current, else 'conflict';
- * 3. the commit epoch's decision, 'commit': a unique violation on t_commit_decision_pkey means the epoch
- *    was already ended (a concurrent confirm of the same reservation, or the sweeper's abort): 'decided';
- * 4. the version-checked UPDATE of every item, by primary key, in the caller's (sorted) order, with a
- *    history row each; an item whose state or version moved on: 'conflict';
- * 5. the commit record: a unique violation on t_commit_pkey means the reservation was committed before:
- *    'duplicate'. Otherwise 'committed'.
- */
-export class AllocateFunction1764100000000 implements MigrationInterface {
-  name = 'AllocateFunction1764100000000';
-
-  async up(q: QueryRunner): Promise<void> {
-    await q.query(`
-      CREATE FUNCTION respool_allocate(p_pools bigint[], p_reservations text[], p_epochs integer[], p_generations bigint[],
+/** The function's signature, shared by every version of it (`CREATE OR REPLACE` keeps the signature). */
+export const ALLOCATE_SIGNATURE = `respool_allocate(p_pools bigint[], p_reservations text[], p_epochs integer[], p_generations bigint[],
                                        p_owners text[], p_bodies jsonb[], p_counts integer[], p_ids bigint[],
                                        p_versions integer[], p_generation_lock bigint)
-      RETURNS text[] LANGUAGE plpgsql VOLATILE AS $fn$
-      DECLARE
-        results text[] := '{}';
-        first integer := 1;
-        allocated_version integer;
-        violated text;
-      BEGIN
-        PERFORM pg_advisory_xact_lock_shared(p_generation_lock);
-        FOR e IN 1 .. cardinality(p_reservations) LOOP
+      RETURNS text[] LANGUAGE plpgsql VOLATILE`;
+
+/** Steps 2-5 for each commit of the batch, in its own subtransaction; uses the variables declared below. */
+export const ALLOCATE_EACH = `        FOR e IN 1 .. cardinality(p_reservations) LOOP
           BEGIN
             IF NOT EXISTS (SELECT 1 FROM t_redis_generation WHERE gen = p_generations[e]) THEN
               RAISE EXCEPTION 'the Redis generation % is no longer current', p_generations[e] USING ERRCODE = 'RP409';
@@ -61,10 +34,45 @@ export class AllocateFunction1764100000000 implements MigrationInterface {
               results := results || (CASE WHEN violated = 't_commit_pkey' THEN 'duplicate' ELSE 'decided' END);
           END;
           first := first + p_counts[e];
-        END LOOP;
+        END LOOP;`;
+
+export const ALLOCATE_FUNCTION_V1 = `
+      CREATE FUNCTION ${ALLOCATE_SIGNATURE} AS $fn$
+      DECLARE
+        results text[] := '{}';
+        first integer := 1;
+        allocated_version integer;
+        violated text;
+      BEGIN
+        PERFORM pg_advisory_xact_lock_shared(p_generation_lock);
+${ALLOCATE_EACH}
         RETURN results;
       END
-      $fn$`);
+      $fn$`;
+
+/**
+ * The commits of confirms as one server-side function that takes a batch of them: one round trip and one
+ * transaction (one WAL flush) for every confirm that arrived while the previous batches were in flight.
+ * Each commit of the batch runs in its own subtransaction, so it lands or fails on its own; the function
+ * returns one result per commit.
+ *
+ * Per commit, in this order (as in the single transaction it replaces):
+ * 1. (once per batch) the generation lock, shared: a bump of the Redis generation takes it exclusively
+ *    and waits for us; a VOLATILE function takes a fresh snapshot for each statement, so the statements
+ *    after it see a bump that committed while we waited;
+ * 2. the Redis generation the holds were taken in must still be current, else 'conflict';
+ * 3. the commit epoch's decision, 'commit': a unique violation on t_commit_decision_pkey means the epoch
+ *    was already ended (a concurrent confirm of the same reservation, or the sweeper's abort): 'decided';
+ * 4. the version-checked UPDATE of every item, by primary key, in the caller's (sorted) order, with a
+ *    history row each; an item whose state or version moved on: 'conflict';
+ * 5. the commit record: a unique violation on t_commit_pkey means the reservation was committed before:
+ *    'duplicate'. Otherwise 'committed'.
+ */
+export class AllocateFunction1764100000000 implements MigrationInterface {
+  name = 'AllocateFunction1764100000000';
+
+  async up(q: QueryRunner): Promise<void> {
+    await q.query(ALLOCATE_FUNCTION_V1);
   }
 
   async down(q: QueryRunner): Promise<void> {

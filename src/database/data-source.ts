@@ -4,6 +4,7 @@ import { CommitDecision1763800000000 } from '../../migrations/1763800000000-Comm
 import { RedisGeneration1763900000000 } from '../../migrations/1763900000000-RedisGeneration.js';
 import { FreeRowsById1764000000000 } from '../../migrations/1764000000000-FreeRowsById.js';
 import { AllocateFunction1764100000000 } from '../../migrations/1764100000000-AllocateFunction.js';
+import { AllocateAllAtOnce1764200000000 } from '../../migrations/1764200000000-AllocateAllAtOnce.js';
 import { AppConfig } from '../config/app-config.js';
 import { ENTITIES } from './entities.js';
 
@@ -13,6 +14,7 @@ export const MIGRATIONS = [
   RedisGeneration1763900000000,
   FreeRowsById1764000000000,
   AllocateFunction1764100000000,
+  AllocateAllAtOnce1764200000000,
 ];
 
 export function dataSourceOptions(config: AppConfig): DataSourceOptions {

@@ -89,7 +89,8 @@ export class ResourceRepository {
    * `UPDATE ... WHERE id = ? AND state = 1 AND version = ?` for every item, a history row for each, the
    * epoch's decision and the commit record. All or nothing for this reservation. Commits that arrive
    * together share one call of the `respool_allocate` function (migration AllocateFunction): one round
-   * trip and one transaction for the batch, each commit in its own subtransaction.
+   * trip and one transaction for the batch: one statement per step for every commit of the batch when
+   * they all land (migration AllocateAllAtOnce), else each commit in its own subtransaction.
    */
   allocate(a: Allocation): Promise<AllocationResult> {
     return pg(() => this.commits.submit(a));
