@@ -20,6 +20,7 @@ import { Redis } from 'ioredis';
 import { randomUUID } from 'node:crypto';
 import { readFileSync } from 'node:fs';
 import pg from 'pg';
+import { AppConfig } from '../src/config/app-config.js';
 import { Batcher } from '../src/database/batcher.js';
 import { MAX_BATCHES_IN_FLIGHT, MAX_COMMITS_PER_BATCH } from '../src/database/commit-batches.js';
 import { MAX_BATCHES_PER_TICK, SWEEP_BATCH } from '../src/sweeper/sweep-limits.js';
@@ -42,6 +43,7 @@ if (mode === 'ceiling') {
   redis.defineCommand('rp_reserve', { numberOfKeys: 1, lua: `${lib}\n${readFileSync(new URL('reserve.lua', scripts), 'utf8')}` });
   redis.defineCommand('rp_sweep', { numberOfKeys: 1, lua: `${lib}\n${readFileSync(new URL('sweep.lua', scripts), 'utf8')}` });
   const base = `${arg}{ceiling}:`;
+  const { HOLD_GRACE_MS } = new AppConfig(); // respool's default: its holds outlive expiresAt by this much
   const call = redis as unknown as Record<string, (...args: unknown[]) => Promise<string[]>>;
   sweepEvery250ms(async () => Number((await call.rp_sweep(`${base}free`, base, SWEEP_BATCH, 60_000, 15_000))[0]));
   app.post('/reserve', async (_req, reply) => {
@@ -61,6 +63,7 @@ if (mode === 'ceiling') {
       '',
       '',
       '0',
+      HOLD_GRACE_MS,
     );
     if (r[0] !== 'ok') return reply.status(409).send({ error: { code: 'POOL_EXHAUSTED' } });
     return reply.status(201).send({ id: r[1], items: JSON.parse(r[7]), expiresAt: new Date(Number(r[6])).toISOString() });

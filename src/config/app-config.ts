@@ -59,6 +59,17 @@ export class AppConfig {
   @Max(600_000)
   REDIS_TIMEOUT_MS = 2000;
 
+  /**
+   * How long a hold outlives its reservation's expiresAt before the sweeper may return its items: a
+   * confirm that arrived just before expiresAt and reaches Redis a little after it (a busy instance, a
+   * GC pause) still finds its hold. Items are free again within SWEEP_INTERVAL_MS of the grace's end.
+   */
+  @Transform(toInt)
+  @IsInt()
+  @Min(0)
+  @Max(1000)
+  HOLD_GRACE_MS = 500;
+
   /** How often each instance returns expired holds to the pool. */
   @Transform(toInt)
   @IsInt()

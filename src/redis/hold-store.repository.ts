@@ -187,6 +187,7 @@ export class HoldStore implements OnApplicationShutdown {
       req.attributes && Object.keys(req.attributes).length > 0 ? JSON.stringify(req.attributes) : '',
       req.valuePrefix ?? '',
       req.groupAffinity ? '1' : '0',
+      this.config.HOLD_GRACE_MS,
     );
     switch (reply[0]) {
       case 'ok':
@@ -238,7 +239,7 @@ export class HoldStore implements OnApplicationShutdown {
    * reservation as the failed pin returned it (its epoch and window end). False if left to the sweeper.
    */
   async unpin(pool: string, pinned: Pick<StoredReservation, 'id' | 'epoch' | 'pinnedUntilMs'>): Promise<boolean> {
-    return (await this.run<number>('unpin', pool, pinned.id, pinned.epoch, pinned.pinnedUntilMs)) === 1;
+    return (await this.run<number>('unpin', pool, pinned.id, pinned.epoch, pinned.pinnedUntilMs, this.config.HOLD_GRACE_MS)) === 1;
   }
 
   /** `abortedEpoch`: the reservation's commit epoch, which Postgres has recorded as given up. */
@@ -250,7 +251,7 @@ export class HoldStore implements OnApplicationShutdown {
   }
 
   async extend(pool: string, reservationId: string, ttlMs: number): Promise<ExtendResult> {
-    const reply = await this.run<string[]>('extend', pool, reservationId, ttlMs, this.retentionMs);
+    const reply = await this.run<string[]>('extend', pool, reservationId, ttlMs, this.retentionMs, this.config.HOLD_GRACE_MS);
     if (reply[0] === 'extended') return { status: 'extended', reservation: parseReservation(reply) };
     return { status: reply[0] as 'expired' | 'closed' | 'missing' };
   }
@@ -283,6 +284,7 @@ export class HoldStore implements OnApplicationShutdown {
       this.retentionMs,
       TOMBSTONE_MS,
       allocated.map((a) => `${a.id}:${a.version}`).join(','),
+      this.config.HOLD_GRACE_MS,
       ...fresh.map((i) => JSON.stringify(i)),
     );
     return reply === -2 ? 'held' : reply === -1 ? 'stale' : 'expired';

@@ -65,6 +65,30 @@ describe('invariants 1-4 checked against the stores', () => {
     expect(row).toEqual({ state: 2, owner: 'just-in-time' });
   });
 
+  it('invariant 3: a confirm that reaches Redis a little after expiresAt (a busy instance) still finds its hold, however hard others compete', async () => {
+    await seedPool(a, 'graced', numbers(3));
+    const grace = a.config.HOLD_GRACE_MS;
+    expect(grace).toBeGreaterThanOrEqual(400);
+    const r = await a.post('/v1/pools/graced/reservations', { owner: 'late-by-a-little', count: 3, ttlMs: 1000 });
+    const expiresAt = Date.parse(r.body.expiresAt);
+    const rivals: string[] = [];
+    const hammer = (async () => {
+      while (Date.now() < expiresAt + grace + 1000) {
+        const t = await b.post('/v1/pools/graced/reservations', { owner: 'rival', count: 1, ttlMs: 60_000 });
+        if (t.status === 201) rivals.push(t.body.items[0].resourceId);
+      }
+    })();
+    // The request arrived in time; the instance reached Redis only half the grace after expiresAt.
+    await sleep(expiresAt + grace / 2 - Date.now());
+    const confirmed = await a.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [r.body.items[0].resourceId] });
+    await hammer;
+    expect(confirmed.status, JSON.stringify(confirmed.body)).toBe(200);
+    const [row] = await world.query(`SELECT state, owner FROM t_resource WHERE id = $1`, [r.body.items[0].resourceId]);
+    expect(row).toEqual({ state: 2, owner: 'late-by-a-little' });
+    // The two it released went to the rival at once (the grace does not hold up the rest of the pool).
+    expect(rivals.sort()).toEqual([r.body.items[1].resourceId, r.body.items[2].resourceId].sort());
+  });
+
   it('invariants 3 and 4: a confirm whose instance died after pinning is given up; the hold is due again, and a retry succeeds', async () => {
     await seedPool(a, 'died-pinned', numbers(2));
     const r = await a.post('/v1/pools/died-pinned/reservations', { owner: 'ghost', count: 2, ttlMs: 60_000 });

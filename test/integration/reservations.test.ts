@@ -1,4 +1,6 @@
+import type { Redis } from 'ioredis';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { REDIS } from '../../src/redis/redis.client.js';
 import { TestInstance, TestWorld, eventually, numbers, seedPool, sleep } from '../support/harness.js';
 
 describe('reservations', () => {
@@ -108,6 +110,10 @@ describe('reservations', () => {
     expect(ahead).toBeLessThanOrEqual(10_500);
     const capped = await api.post(`/v1/reservations/${r.body.id}/extend`, { ttlMs: 3_600_000 });
     expect(Date.parse(capped.body.expiresAt) - Date.now()).toBeLessThanOrEqual(20_500);
+    // The hold itself outlives expiresAt by the grace, as at reserve.
+    const hold = `${world.prefix}{extend}:h:${r.body.items[0].resourceId}`;
+    const holdEnd = Date.now() + (await api.app.get<Redis>(REDIS).pttl(hold));
+    expect(Math.abs(holdEnd - Date.parse(capped.body.expiresAt) - api.config.HOLD_GRACE_MS)).toBeLessThan(250);
 
     const short = await reserve('extend', { owner: 'late', count: 1, ttlMs: 1000 });
     await sleep(1200);

@@ -24,7 +24,7 @@ describe('sweeper', () => {
     }
     const stats = async () => (await api.get('/v1/pools/bulk')).body.stats;
     expect(await stats()).toEqual({ total: n, free: 0, held: n, allocated: 0 });
-    await sleep(1200); // every hold has expired
+    await sleep(1200 + api.config.HOLD_GRACE_MS); // every hold has expired, and its grace has run out
     expect((await stats()).free).toBe(0); // and the timer has not swept yet
 
     await api.app.get(SweeperService).tick();

@@ -4,10 +4,11 @@
 -- says now: items allocated there get an allocation tombstone instead, items whose version moved on are
 -- re-cached with the new version.
 -- ARGV: 1 base, 2 rid, 3 epoch, 4 retention ms, 5 tombstone ms, 6 items allocated in Postgres ("id:version", comma
---       separated), 7.. fresh item JSON for items whose version changed
+--       separated), 7 grace ms (see reserve), 8.. fresh item JSON for items whose version changed
 -- Returns: items returned to the free index, -1 if the epoch is no longer the reservation's open one,
 --          -2 if the reservation is held again
 local base, rid, epoch, retention, tombstone_ms = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5])
+local grace = tonumber(ARGV[7])
 local rkey = base .. 'r:' .. rid
 local f = redis.call('HMGET', rkey, 's', 'o', 'k', 'i', 'e', 'ep')
 if (f[1] ~= 'confirming' and f[1] ~= 'held') or f[6] ~= epoch then return -1 end
@@ -20,7 +21,7 @@ for entry in string.gmatch(ARGV[6], '[^,]+') do
   allocated[string.sub(entry, 1, sep - 1)] = string.sub(entry, sep + 1)
 end
 local fresh = {}
-for i = 7, #ARGV do
+for i = 8, #ARGV do
   local item = cjson.decode(ARGV[i])
   fresh[item.id] = { item = item, json = ARGV[i] }
 end
@@ -53,18 +54,18 @@ if expires > now and next(allocated) == nil and next(fresh) == nil then
   -- Nothing changed under it and the hold is still due: held again, owner may retry the confirm. Its
   -- holds last until the sweeper settles it at expiry (it has an epoch), like pinned ones.
   local keep = tonumber(redis.call('PTTL', rkey))
-  if keep <= 0 then keep = expires - now end
+  if keep <= 0 then keep = expires + grace - now end
   for _, item in ipairs(items) do
     local hkey = base .. 'h:' .. item.id
     local holder = redis.call('GET', hkey)
     if holder == rid or not holder then
       unindex(base, item)
-      redis.call('SET', hkey, rid, 'PX', math.max(keep, expires - now))
+      redis.call('SET', hkey, rid, 'PX', math.max(keep, expires + grace - now))
     end
   end
   -- 'ep' stays: at expiry the sweeper asks Postgres again, which already says 'abort' for this epoch.
   redis.call('HSET', rkey, 's', 'held')
-  redis.call('ZADD', base .. 'exp', expires, rid)
+  redis.call('ZADD', base .. 'exp', expires + grace, rid)
   return -2
 end
 

@@ -2,14 +2,15 @@
 -- KEYS: none (every key is built from ARGV[1], the pool's key base with its {hash tag})
 -- ARGV: 1 base, 2 rid, 3 owner, 4 count, 5 ttlMs, 6 maxHoldsPerOwner (0 = none), 7 kind ("r"|"l"),
 --       8 retentionMs, 9 idempotency key ("" = none), 10 body hash, 11 idempotency ttlMs,
---       12 attribute filter as JSON object ("" = none), 13 value prefix ("" = none), 14 group affinity ("1"|"0")
+--       12 attribute filter as JSON object ("" = none), 13 value prefix ("" = none), 14 group affinity ("1"|"0"),
+--       15 grace ms (the holds outlive expiresAt by this much; the sweeper looks at the reservation then)
 -- Returns: {"ok"|"replay", rid, state, owner, kind, createdMs, expiresMs, itemsJson, outcomeJson, nowMs}
 --          or {"exhausted"} | {"quota", heldNow} | {"reused"}
 local base, rid, owner = ARGV[1], ARGV[2], ARGV[3]
 local count, ttl, max_holds = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
 local kind, retention = ARGV[7], tonumber(ARGV[8])
 local idem_key, body_hash, idem_ttl = ARGV[9], ARGV[10], tonumber(ARGV[11])
-local attr_json, prefix, affinity = ARGV[12], ARGV[13], ARGV[14] == '1'
+local attr_json, prefix, affinity, grace = ARGV[12], ARGV[13], ARGV[14] == '1', tonumber(ARGV[15])
 local now = now_ms()
 
 if idem_key ~= '' then
@@ -103,7 +104,7 @@ end
 
 local items, jsons = {}, {}
 for i, c in ipairs(chosen) do
-  redis.call('SET', base .. 'h:' .. c.item.id, rid, 'PX', ttl)
+  redis.call('SET', base .. 'h:' .. c.item.id, rid, 'PX', ttl + grace)
   items[i] = c.item
   jsons[i] = c.json
 end
@@ -111,8 +112,8 @@ end
 local rkey = base .. 'r:' .. rid
 redis.call('HSET', rkey, 'o', owner, 'k', kind, 's', 'held', 'i', '[' .. table.concat(jsons, ',') .. ']',
   'c', now, 'e', now + ttl, 'cnt', '1', 'g', generation)
-redis.call('PEXPIRE', rkey, ttl + retention)
-redis.call('ZADD', base .. 'exp', now + ttl, rid)
+redis.call('PEXPIRE', rkey, ttl + grace + retention)
+redis.call('ZADD', base .. 'exp', now + ttl + grace, rid)
 count_items(base, owner, kind, items, 1)
 if idem_key ~= '' then
   redis.call('SET', base .. 'idem:' .. idem_key, rid .. '\n' .. body_hash, 'PX', idem_ttl)
