@@ -205,7 +205,10 @@ async function main(): Promise<number> {
       gracefulShutdownMs: shutdown.ms,
       violations: verdict.violations.length,
     };
-    writeFileSync(join(workDir, 'report.json'), JSON.stringify({ report, violations: verdict.violations, diagnostics: verdict.diagnostics, windows }, null, 2));
+    writeFileSync(
+      join(workDir, 'report.json'),
+      JSON.stringify({ report, violations: verdict.violations, diagnostics: verdict.diagnostics, windows }, null, 2),
+    );
     console.log(JSON.stringify(report, null, 2));
     for (const v of verdict.violations.slice(0, 50)) console.log(`VIOLATION ${v}`);
     for (const d of verdict.diagnostics.slice(0, 20)) console.log(`DIAGNOSTIC ${d}`);
@@ -238,14 +241,17 @@ async function pauseScenario(a: Instance, b: Instance, c: Instance, databaseUrl:
     const id = r.body.items[0].resourceId;
     // Redis answers slowly for a moment, so the confirm (two scripts, each a round trip through the proxy)
     // is still in flight when the instance is stopped.
-    await proxy.setLatency(25);
+    await proxy.setLatency(50);
+    // The proxy process stops the instance as soon as the pin is in Redis: the pin's answer is then still on its
+    // way back through the slowed proxy, so the instance stops between its pin and its commit.
+    const stopped = proxy.stopWhenPinned(poolKeys(PREFIX, 'pause').reservation(r.body.id), a.pid!, 3000);
     const paused = fetch(`${a.url}/v1/reservations/${r.body.id}/confirm`, {
       method: 'POST',
       headers: { 'content-type': 'application/json' },
       body: JSON.stringify({ resourceIds: [id] }),
     }).then(async (res) => ({ status: res.status, body: (await res.json()) as any }));
-    await sleep(5 + 5 * attempt);
-    a.pause();
+    const pinSeen = await stopped;
+    a.pause(); // stopped already (or now, if the pin was never seen)
     await proxy.setLatency(0);
     // Longer than the TTL and the commit window: the sweepers of b and c hand the item back.
     let rival: { status: number; body: any } | undefined;
@@ -265,7 +271,9 @@ async function pauseScenario(a: Instance, b: Instance, c: Instance, databaseUrl:
       // The confirm finished before the pause took hold: give the item back and try again.
       if (victim.status !== 200) throw new Error(`pause scenario: no rival could reserve, paused confirm ${victim.status}`);
       await api(b, 'POST', `/v1/pools/pause/resources/${id}/release`, { owner: 'paused-buyer' });
-      say(`pause scenario attempt ${attempt}: the confirm finished before SIGSTOP; again`);
+      say(
+        `pause scenario attempt ${attempt}: the confirm finished before SIGSTOP (pin ${pinSeen === null ? 'not seen' : `seen after ${pinSeen} ms`}); again`,
+      );
       continue;
     }
     const sql = new pg.Client({ connectionString: databaseUrl });

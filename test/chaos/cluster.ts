@@ -109,6 +109,10 @@ export class Instance {
     this.state = 'down';
   }
 
+  get pid(): number | undefined {
+    return this.child?.pid;
+  }
+
   pause(): void {
     this.child?.kill('SIGSTOP');
     this.state = 'paused';
