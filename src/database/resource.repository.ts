@@ -62,14 +62,17 @@ export class ResourceRepository {
     this.commits = new Batcher((batch) => this.allocateBatch(batch), batches, MAX_COMMITS_PER_BATCH, config.DB_TIMEOUT_MS);
   }
 
-  /** Bulk insert; values already in the pool are skipped. Returns the rows inserted. */
-  insertMany(poolId: string, items: NewResource[]): Promise<ResourceRow[]> {
+  /**
+   * Bulk insert; values already in the pool are skipped. Returns the id and value of each row inserted
+   * (free, at version 0, with the attributes and group it was given). The values must be distinct.
+   */
+  insertMany(poolId: string, items: NewResource[]): Promise<{ id: string; value: string }[]> {
     return pg(() =>
       this.db.query(
         `INSERT INTO t_resource (pool_id, value, attributes, group_key)
          SELECT $1, v, a, g FROM unnest($2::varchar[], $3::jsonb[], $4::text[]) AS i(v, a, g)
          ON CONFLICT (pool_id, value) DO NOTHING
-         RETURNING ${ROW}`,
+         RETURNING id::text AS id, value`,
         [poolId, items.map((i) => i.value), items.map((i) => JSON.stringify(i.attributes)), items.map((i) => i.groupKey)],
       ),
     );

@@ -3,7 +3,7 @@ import { DomainError, ErrorCode } from '../common/errors.js';
 import { PoolEntity, RESOURCE_ALLOCATED } from '../database/entities.js';
 import { GenerationRepository } from '../database/generation.repository.js';
 import { PoolRepository } from '../database/pool.repository.js';
-import { ResourceRepository, ResourceRow } from '../database/resource.repository.js';
+import { NewResource, ResourceRepository, ResourceRow } from '../database/resource.repository.js';
 import { isAllocationTombstone } from '../redis/keys.js';
 import { CachedItem, HoldStore } from '../redis/hold-store.repository.js';
 import { PoolCatalog } from './pool-catalog.service.js';
@@ -23,7 +23,7 @@ export function toPoolDto(pool: PoolEntity): PoolDto {
   };
 }
 
-export function toCachedItem(row: ResourceRow): CachedItem {
+export function toCachedItem(row: Pick<ResourceRow, 'id' | 'value' | 'version' | 'groupKey' | 'attributes'>): CachedItem {
   const item: CachedItem = { id: row.id, v: row.value, n: row.version };
   if (row.groupKey !== null) item.g = row.groupKey;
   if (Object.keys(row.attributes).length > 0) item.a = row.attributes;
@@ -86,12 +86,15 @@ export class PoolsService {
     const pool = await this.catalog.get(name);
     // Fail before writing anything if Redis is down: new items must be reservable at once.
     await this.holds.ping();
-    const rows = await this.resources.insertMany(
-      pool.id,
-      dto.items.map((i) => ({ value: i.value, attributes: i.attributes ?? {}, groupKey: i.groupKey ?? null })),
-    );
+    // A value given twice in one request is imported once, as given first.
+    const byValue = new Map<string, NewResource>();
+    for (const i of dto.items) {
+      if (!byValue.has(i.value)) byValue.set(i.value, { value: i.value, attributes: i.attributes ?? {}, groupKey: i.groupKey ?? null });
+    }
+    const rows = await this.resources.insertMany(pool.id, [...byValue.values()]);
     try {
-      await this.holds.addFree(pool.name, await this.generations.current(), rows.map(toCachedItem));
+      const items = rows.map(({ id, value }) => toCachedItem({ id, version: 0, ...byValue.get(value)! }));
+      await this.holds.addFree(pool.name, await this.generations.current(), items);
     } catch (err) {
       // The rows are committed; the reconciler adds them to Redis once it is back.
       this.logger.warn(`imported ${rows.length} items into "${pool.name}" but could not index them in Redis: ${String(err)}`);

@@ -295,12 +295,12 @@ export class HoldStore implements OnApplicationShutdown {
    * `generation` is the Redis generation current when Postgres was read.
    */
   async addFree(pool: string, generation: number, items: CachedItem[]): Promise<number> {
-    let added = 0;
+    // Every chunk at once: Redis runs them one after the other anyway, and the round trips overlap.
+    const chunks: Promise<number>[] = [];
     for (let i = 0; i < items.length; i += 500) {
-      const chunk = items.slice(i, i + 500).map((item) => JSON.stringify(item));
-      added += await this.run<number>('add_free', pool, generation, ...chunk);
+      chunks.push(this.run<number>('add_free', pool, generation, ...items.slice(i, i + 500).map((item) => JSON.stringify(item))));
     }
-    return added;
+    return (await Promise.all(chunks)).reduce((sum, n) => sum + n, 0);
   }
 
   /**

@@ -82,6 +82,11 @@ describe('pools and resources', () => {
     expect((await api.get('/v1/pools/import')).body.stats).toEqual({ total: 3, free: 3, held: 0, allocated: 0 });
     const r = await api.post('/v1/pools/import/reservations', { owner: 'u', count: 3 });
     expect(r.status).toBe(201);
+    // Reservable with what the first import gave it, not the second.
+    expect(r.body.items.find((i: { value: string }) => i.value === '13800138000')).toMatchObject({
+      version: 0,
+      attributes: { city: 'bj' },
+    });
   });
 
   it('refuses bad imports with 400 and inserts nothing', async () => {
