@@ -295,12 +295,14 @@ export class HoldStore implements OnApplicationShutdown {
    * `generation` is the Redis generation current when Postgres was read.
    */
   async addFree(pool: string, generation: number, items: CachedItem[]): Promise<number> {
-    // Every chunk at once: Redis runs them one after the other anyway, and the round trips overlap.
-    const chunks: Promise<number>[] = [];
+    // One chunk at a time: each is one script, and Redis serves nothing else while it runs. Sent together,
+    // the chunks of an import or a rebuild page would run back to back and hold up every other command.
+    let added = 0;
     for (let i = 0; i < items.length; i += 500) {
-      chunks.push(this.run<number>('add_free', pool, generation, ...items.slice(i, i + 500).map((item) => JSON.stringify(item))));
+      const chunk = items.slice(i, i + 500).map((item) => JSON.stringify(item));
+      added += await this.run<number>('add_free', pool, generation, ...chunk);
     }
-    return (await Promise.all(chunks)).reduce((sum, n) => sum + n, 0);
+    return added;
   }
 
   /**
