@@ -164,12 +164,12 @@ async function main(): Promise<number> {
     await Promise.all(clients);
     await sampling;
 
-    // Give back every hold still open, then the whole pool must be reservable within 5 s.
+    // Give back every hold still open, then the whole pool must be free again within 5 s (and then reservable).
     const stopAt = Date.now();
     await releaseOpenHolds(traffic, a);
     const flow = await wholePoolReservable(a, pg.url, direct, traffic);
-    const flowMs = Date.now() - stopAt;
-    say(`whole pool reservable again ${flowMs} ms after the load stopped (${flow.numbers} numbers, ${flow.tasks} tasks free)`);
+    const flowMs = flow.freeAt - stopAt;
+    say(`whole pool free again ${flowMs} ms after the load stopped; then ${flow.numbers} numbers and ${flow.tasks} tasks taken, each once`);
 
     // Graceful shutdown: requests in flight when SIGTERM arrives are all answered, then the process exits 0.
     await proxy.setLatency(150);
@@ -323,10 +323,13 @@ async function releaseOpenHolds(t: Traffic, at: Instance): Promise<void> {
   }
 }
 
-/** Waits until every unallocated item is free, then takes them all: none may be allocated already. */
+/**
+ * Waits until every unallocated item is free (`freeAt`), then takes them all: none may be allocated already,
+ * and each is taken once.
+ */
 async function wholePoolReservable(at: Instance, databaseUrl: string, redis: Redis, traffic: Traffic) {
   const violations: string[] = [];
-  const result = { numbers: 0, tasks: 0, violations };
+  const result = { numbers: 0, tasks: 0, violations, freeAt: 0 };
   const deadline = Date.now() + 15_000;
   for (const pool of ['numbers', 'reviews'] as const) {
     for (;;) {
@@ -339,6 +342,7 @@ async function wholePoolReservable(at: Instance, databaseUrl: string, redis: Red
       await sleep(100);
     }
   }
+  result.freeAt = Date.now();
   const pg = (await import('pg')).default;
   const sql = new pg.Client({ connectionString: databaseUrl });
   await sql.connect();
@@ -346,9 +350,10 @@ async function wholePoolReservable(at: Instance, databaseUrl: string, redis: Red
     const allocated = new Set((await sql.query(`SELECT id::text FROM t_resource WHERE state = 2`)).rows.map((r) => r.id));
     const taken = new Set<string>();
     for (;;) {
-      const r = await api(at, 'POST', '/v1/pools/numbers/reservations', { owner: 'final-sweep', count: 100 });
+      // Holds and leases long enough that none of them expires, and comes back, while everything is taken.
+      const r = await api(at, 'POST', '/v1/pools/numbers/reservations', { owner: 'final-sweep', count: 100, ttlMs: 60_000 });
       if (r.status !== 201) {
-        const single = await api(at, 'POST', '/v1/pools/numbers/reservations', { owner: 'final-sweep', count: 1 });
+        const single = await api(at, 'POST', '/v1/pools/numbers/reservations', { owner: 'final-sweep', count: 1, ttlMs: 60_000 });
         if (single.status !== 201) break;
         r.body = single.body;
       }
@@ -359,7 +364,7 @@ async function wholePoolReservable(at: Instance, databaseUrl: string, redis: Red
       result.numbers += r.body.items.length;
     }
     for (;;) {
-      const r = await api(at, 'POST', '/v1/pools/reviews/tasks/next', { reviewer: 'final-sweep' });
+      const r = await api(at, 'POST', '/v1/pools/reviews/tasks/next', { reviewer: 'final-sweep', leaseMs: 60_000 });
       if (r.status !== 200) break;
       if (allocated.has(r.body.resourceId)) violations.push(`allocated task ${r.body.resourceId} was leased`);
       taken.add(r.body.resourceId);
