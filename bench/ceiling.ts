@@ -28,12 +28,15 @@ import { MAX_BATCHES_PER_TICK, SWEEP_BATCH } from '../src/sweeper/sweep-limits.j
 const [mode, portArg, url, arg, maxIdArg] = process.argv.slice(2);
 const app = Fastify({ logger: false });
 
-/** respool's sweeper, as respool runs it: batches until nothing is due, every 250 ms. */
-function sweepEvery250ms(sweepBatch: () => Promise<number>): void {
+/** respool's defaults: both Redis servers here sweep every SWEEP_INTERVAL_MS; the ceiling's holds also get HOLD_GRACE_MS. */
+const defaults = new AppConfig();
+
+/** respool's sweeper, as respool runs it: batches until nothing is due, every SWEEP_INTERVAL_MS. */
+function sweepLikeRespool(sweepBatch: () => Promise<number>): void {
   const tick = async () => {
     for (let i = 0; i < MAX_BATCHES_PER_TICK; i++) if ((await sweepBatch()) < SWEEP_BATCH) break;
   };
-  setInterval(() => void tick().catch(() => undefined), 250).unref();
+  setInterval(() => void tick().catch(() => undefined), defaults.SWEEP_INTERVAL_MS).unref();
 }
 
 if (mode === 'ceiling') {
@@ -43,9 +46,8 @@ if (mode === 'ceiling') {
   redis.defineCommand('rp_reserve', { numberOfKeys: 1, lua: `${lib}\n${readFileSync(new URL('reserve.lua', scripts), 'utf8')}` });
   redis.defineCommand('rp_sweep', { numberOfKeys: 1, lua: `${lib}\n${readFileSync(new URL('sweep.lua', scripts), 'utf8')}` });
   const base = `${arg}{ceiling}:`;
-  const { HOLD_GRACE_MS } = new AppConfig(); // respool's default: its holds outlive expiresAt by this much
   const call = redis as unknown as Record<string, (...args: unknown[]) => Promise<string[]>>;
-  sweepEvery250ms(async () => Number((await call.rp_sweep(`${base}free`, base, SWEEP_BATCH, 60_000, 15_000))[0]));
+  sweepLikeRespool(async () => Number((await call.rp_sweep(`${base}free`, base, SWEEP_BATCH, 60_000, 15_000))[0]));
   app.post('/reserve', async (_req, reply) => {
     const r = await call.rp_reserve(
       `${base}free`,
@@ -63,7 +65,7 @@ if (mode === 'ceiling') {
       '',
       '',
       '0',
-      HOLD_GRACE_MS,
+      defaults.HOLD_GRACE_MS,
     );
     if (r[0] !== 'ok') return reply.status(409).send({ error: { code: 'POOL_EXHAUSTED' } });
     return reply.status(201).send({ id: r[1], items: JSON.parse(r[7]), expiresAt: new Date(Number(r[6])).toISOString() });
@@ -139,7 +141,7 @@ end
 return #due`,
   });
   const call = redis as unknown as Record<string, (...args: unknown[]) => Promise<unknown>>;
-  sweepEvery250ms(async () => Number(await call.minimal_sweep(base, SWEEP_BATCH)));
+  sweepLikeRespool(async () => Number(await call.minimal_sweep(base, SWEEP_BATCH)));
   // Group commit with respool's Batcher and its limits: the commits that arrive while batches are in
   // flight share one statement, the version-checked UPDATE of every item and its history row, in one
   // transaction. A commit lands if all of its items did.

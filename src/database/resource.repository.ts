@@ -124,7 +124,8 @@ export class ResourceRepository {
     }
   }
 
-  private async callAllocate(batch: Allocation[]): Promise<AllocationResult[]> {
+  /** One call of `respool_allocate` for these commits, in this order: one result each. */
+  async callAllocate(batch: Allocation[]): Promise<AllocationResult[]> {
     const pool = (this.db.driver as PostgresDriver).master as PgPool;
     const { rows } = await pool.query<{ results: AllocationResult[] }>({
       name: 'respool_allocate',

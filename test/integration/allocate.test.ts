@@ -1,5 +1,5 @@
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
-import { GENERATION_LOCK } from '../../src/database/generation.repository.js';
+import { ResourceRepository } from '../../src/database/resource.repository.js';
 import { TestWorld, numbers, seedPool } from '../support/harness.js';
 
 /**
@@ -10,42 +10,42 @@ import { TestWorld, numbers, seedPool } from '../support/harness.js';
 describe('respool_allocate: a batch of commits', () => {
   const world = new TestWorld('allocate');
   let poolId: string;
-  let generation: string;
+  let generation: number;
   let ids: string[];
+  let repository: ResourceRepository;
 
   interface Commit {
     rid: string;
     epoch?: number;
-    generation?: string;
+    generation?: number;
     items: { id: string; version: number }[];
   }
 
   beforeAll(async () => {
     const api = await world.start();
+    repository = api.app.get(ResourceRepository);
     await seedPool(api, 'alloc', numbers(40));
     [{ id: poolId }] = await world.query(`SELECT id::text AS id FROM t_pool WHERE name = 'alloc'`);
-    [{ gen: generation }] = await world.query(`SELECT gen::text AS gen FROM t_redis_generation`);
+    [{ gen: generation }] = await world.query(`SELECT gen::int AS gen FROM t_redis_generation`);
     ids = (await world.query(`SELECT id::text AS id FROM t_resource WHERE pool_id = $1 ORDER BY id`, [poolId])).map((r) => r.id);
   });
   afterAll(() => world.cleanup());
 
   const rid = (name: string) => `alloc.${name}`;
 
-  async function allocate(batch: Commit[]): Promise<string[]> {
-    const [{ results }] = await world.query('SELECT respool_allocate($1, $2, $3, $4, $5, $6::jsonb[], $7, $8, $9, $10) AS results', [
-      batch.map(() => poolId),
-      batch.map((c) => c.rid),
-      batch.map((c) => c.epoch ?? 1),
-      batch.map((c) => c.generation ?? generation),
-      batch.map((c) => `owner-of-${c.rid}`),
-      batch.map((c) => JSON.stringify({ rid: c.rid })),
-      batch.map((c) => c.items.length),
-      batch.flatMap((c) => c.items.map((i) => i.id)),
-      batch.flatMap((c) => c.items.map((i) => i.version)),
-      GENERATION_LOCK,
-    ]);
-    return results;
-  }
+  /** One call of the function for this batch, in this order, as the commit batcher makes it. */
+  const allocate = (batch: Commit[]): Promise<string[]> =>
+    repository.callAllocate(
+      batch.map((c) => ({
+        poolId,
+        owner: `owner-of-${c.rid}`,
+        reservationId: c.rid,
+        epoch: c.epoch ?? 1,
+        generation: c.generation ?? generation,
+        items: c.items,
+        body: { rid: c.rid },
+      })),
+    );
 
   const items = (id: string) => world.query(`SELECT state, version, owner FROM t_resource WHERE id = $1`, [id]).then((r) => r[0]);
   const history = (reservation: string) =>
@@ -98,7 +98,7 @@ describe('respool_allocate: a batch of commits', () => {
     {
       kind: 'a Redis generation no longer current',
       answer: 'conflict',
-      failing: async () => ({ rid: rid('old-generation'), generation: String(Number(generation) - 1), items: [free()] }),
+      failing: async () => ({ rid: rid('old-generation'), generation: generation - 1, items: [free()] }),
     },
     {
       kind: 'two items, the second already allocated (the first must not stay allocated either)',

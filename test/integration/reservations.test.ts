@@ -1,5 +1,6 @@
 import type { Redis } from 'ioredis';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { poolKeys } from '../../src/redis/keys.js';
 import { REDIS } from '../../src/redis/redis.client.js';
 import { TestInstance, TestWorld, eventually, numbers, seedPool, sleep } from '../support/harness.js';
 
@@ -111,7 +112,7 @@ describe('reservations', () => {
     const capped = await api.post(`/v1/reservations/${r.body.id}/extend`, { ttlMs: 3_600_000 });
     expect(Date.parse(capped.body.expiresAt) - Date.now()).toBeLessThanOrEqual(20_500);
     // The hold itself outlives expiresAt by the grace, as at reserve.
-    const hold = `${world.prefix}{extend}:h:${r.body.items[0].resourceId}`;
+    const hold = poolKeys(world.prefix, 'extend').hold(r.body.items[0].resourceId);
     const holdEnd = Date.now() + (await api.app.get<Redis>(REDIS).pttl(hold));
     expect(Math.abs(holdEnd - Date.parse(capped.body.expiresAt) - api.config.HOLD_GRACE_MS)).toBeLessThan(250);
 
