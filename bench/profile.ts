@@ -1,7 +1,9 @@
 /**
  * CPU profile of the service under one scenario of the benchmark, to see where the time goes before
  * changing anything. Starts respool with `node --cpu-prof`, drives the scenario, stops the service
- * (the profile is written on exit) and prints self time by package and by function.
+ * (the profile is written on exit) and prints, for the timed run alone (not the set-up before it): self time
+ * by package and by function, the service's read and write system calls per operation, and Redis' CPU and
+ * time by command per operation.
  *
  *   npm run bench:profile -- reserve|confirm|cycle|tasks [seconds]
  *
@@ -11,6 +13,7 @@ import { spawn } from 'node:child_process';
 import { mkdtempSync, readdirSync, readFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
+import { Redis } from 'ioredis';
 import pg from 'pg';
 import { deleteKeys, freePort, serviceArgs } from '../test/support/services.js';
 import { client, runLoad } from './load.js';
@@ -25,12 +28,25 @@ interface ProfileNode {
   callFrame: { functionName: string; url: string; lineNumber: number };
 }
 
-/** Self time by package (or respool / node core) and by function, in per cent of the samples. */
-export function summarise(file: string, top = 30): string {
-  const profile = JSON.parse(readFileSync(file, 'utf8')) as { nodes: ProfileNode[]; samples: number[]; timeDeltas: number[] };
+/**
+ * Self time by package (or respool / node core) and by function, in per cent of the samples; only the
+ * samples taken within `window` (µs on the monotonic clock, which every process of the machine shares).
+ */
+export function summarise(file: string, top = 30, window?: { fromUs: number; toUs: number }): string {
+  const profile = JSON.parse(readFileSync(file, 'utf8')) as {
+    nodes: ProfileNode[];
+    samples: number[];
+    timeDeltas: number[];
+    startTime: number;
+  };
   const byId = new Map(profile.nodes.map((n) => [n.id, n]));
   const self = new Map<number, number>();
-  profile.samples.forEach((id, i) => self.set(id, (self.get(id) ?? 0) + (profile.timeDeltas[i] ?? 0)));
+  let at = profile.startTime;
+  profile.samples.forEach((id, i) => {
+    const delta = profile.timeDeltas[i] ?? 0;
+    at += delta;
+    if (!window || (at >= window.fromUs && at <= window.toUs)) self.set(id, (self.get(id) ?? 0) + delta);
+  });
   const total = [...self.values()].reduce((a, b) => a + b, 0);
   const byFunction = new Map<string, number>();
   const byPackage = new Map<string, number>();
@@ -59,6 +75,47 @@ export function summarise(file: string, top = 30): string {
       .map(([k, t]) => `${((t / total) * 100).toFixed(1).padStart(5)} %  ${k}`)
       .join('\n');
   return `${(total / 1e6).toFixed(1)} s of samples\n--- self time by package\n${list(byPackage)}\n--- self time by function\n${list(byFunction)}`;
+}
+
+interface Snapshot {
+  atUs: number;
+  syscalls: { read: number; write: number };
+  redisCpuS: number;
+  commands: Map<string, { calls: number; usec: number }>;
+  window(later: Snapshot): { fromUs: number; toUs: number };
+}
+
+async function snapshot(redis: Redis, pid: number): Promise<Snapshot> {
+  const atUs = Number(process.hrtime.bigint() / 1000n);
+  const io = readFileSync(`/proc/${pid}/io`, 'utf8');
+  const [cpu, stats] = await Promise.all([redis.info('cpu'), redis.info('commandstats')]);
+  const field = (text: string, name: string) => Number(new RegExp(`${name}:\\s*([\\d.]+)`).exec(text)![1]);
+  const commands = new Map<string, { calls: number; usec: number }>();
+  for (const m of stats.matchAll(/^cmdstat_(\S+):calls=(\d+),usec=(\d+)/gm))
+    commands.set(m[1], { calls: Number(m[2]), usec: Number(m[3]) });
+  return {
+    atUs,
+    syscalls: { read: field(io, 'syscr'), write: field(io, 'syscw') },
+    redisCpuS: field(cpu, 'used_cpu_user') + field(cpu, 'used_cpu_sys'),
+    commands,
+    window: (later) => ({ fromUs: atUs, toUs: later.atUs }),
+  };
+}
+
+/** Per operation of the timed run: the service's read and write system calls, Redis' CPU and its time by command. */
+function costs(a: Snapshot, b: Snapshot, ops: number): string {
+  const per = (n: number, digits = 1) => (n / ops).toFixed(digits);
+  const lines = [
+    `per operation (${ops} operations): service system calls: read ${per(b.syscalls.read - a.syscalls.read, 2)}, ` +
+      `write ${per(b.syscalls.write - a.syscalls.write, 2)}; Redis CPU ${per((b.redisCpuS - a.redisCpuS) * 1e6)} µs`,
+    'Redis commands per operation (calls from scripts counted as well as the scripts):',
+  ];
+  const rows = [...b.commands]
+    .map(([name, s]) => ({ name, calls: s.calls - (a.commands.get(name)?.calls ?? 0), usec: s.usec - (a.commands.get(name)?.usec ?? 0) }))
+    .filter((r) => r.calls > 0)
+    .sort((x, y) => y.usec - x.usec);
+  for (const r of rows) lines.push(`  ${r.name.padEnd(16)} ${per(r.calls, 2).padStart(6)} calls  ${per(r.usec).padStart(7)} µs`);
+  return lines.join('\n');
 }
 
 async function main(): Promise<void> {
@@ -93,7 +150,10 @@ async function main(): Promise<void> {
   const { call, close } = client(url, 100);
   const kind = scenario === 'tasks' ? 'task' : 'number';
   await call('POST', '/v1/pools', { name: 'p', kind, holdTtlMs: 1000, maxHoldTtlMs: 600_000 });
-  for (let i = 0; i < (scenario === 'confirm' ? 200_000 : 100_000); i += 10_000) {
+  // confirm (below) needs reservations of 3 for up to 10,000 confirms a second, more than this machine has done.
+  const reservationsNeeded = scenario === 'confirm' ? (seconds + 1) * 10_000 : 0;
+  const poolSize = Math.max(100_000, Math.ceil((reservationsNeeded * 3 + 10_000) / 10_000) * 10_000);
+  for (let i = 0; i < poolSize; i += 10_000) {
     const items = Array.from({ length: 10_000 }, (_, j) => ({ value: `p-${String(i + j).padStart(8, '0')}` }));
     await call('POST', '/v1/pools/p/resources', { items });
   }
@@ -117,7 +177,7 @@ async function main(): Promise<void> {
   };
   // confirm: on reservations made before the profiled run, as the bench measures it.
   const ready: { id: string; item: string }[] = [];
-  while (scenario === 'confirm' && ready.length < 30_000) {
+  while (ready.length < reservationsNeeded) {
     await Promise.all(
       Array.from({ length: 100 }, async () => {
         const r = await call('POST', '/v1/pools/p/reservations', { owner: 'o', count: 3, ttlMs: 600_000 });
@@ -125,7 +185,16 @@ async function main(): Promise<void> {
       }),
     );
   }
-  const result = await runLoad(100, seconds * 1000, ops[scenario]);
+  // What the timed part of the run cost beside the profile: the service's system calls, and Redis' CPU
+  // and command time. The first snapshot is taken when the load's warm-up ends (a timer of the same
+  // length, set after the load's own, fires right after it).
+  const redis = new Redis('redis://127.0.0.1:6379');
+  const load = runLoad(100, seconds * 1000, ops[scenario]);
+  const before = new Promise<Snapshot>((resolve) => setTimeout(() => resolve(snapshot(redis, service.pid!)), 1000));
+  const result = await load;
+  const after = await snapshot(redis, service.pid!);
+  await redis.quit();
+  console.log(costs(await before, after, result.ops - (result.byStatus['ran dry'] ?? 0)));
   console.log(
     `${scenario}: ${result.rps.toFixed(0)} ops/s, p50 ${result.p50.toFixed(2)} ms, p99 ${result.p99.toFixed(2)} ms ${JSON.stringify(result.byStatus)}`,
   );
@@ -138,7 +207,7 @@ async function main(): Promise<void> {
     dir,
     readdirSync(dir).find((f) => f.endsWith('.cpuprofile'))!,
   );
-  console.log(`profile: ${file}\n${summarise(file)}`);
+  console.log(`profile: ${file} (the timed run only)\n${summarise(file, 30, (await before).window(after))}`);
   await deleteKeys('redis://127.0.0.1:6379', PREFIX);
   await admin.query(`DROP DATABASE IF EXISTS ${DB} WITH (FORCE)`);
   await admin.end();
