@@ -3,23 +3,26 @@
  * changing anything. Starts respool with `node --cpu-prof`, drives the scenario, stops the service
  * (the profile is written on exit) and prints, for the timed run alone (not the set-up before it): self time
  * by package and by function, the service's read and write system calls per operation, and Redis' CPU and
- * time by command per operation.
+ * time by command per operation. With `--heap`, the service runs under V8's sampling heap profiler instead
+ * (bench/heap-sampler.ts) and the report gives the bytes allocated per operation, by package and by function.
  *
- *   npm run bench:profile -- reserve|confirm|cycle|tasks [seconds]
+ *   npm run bench:profile -- reserve|confirm|cycle|tasks [seconds] [--heap]
  *
- * The .cpuprofile is left in /tmp/respool-profile-* (open it in Chrome DevTools for the flame chart).
+ * The .cpuprofile or .heapprofile is left in /tmp/respool-profile-* (Chrome DevTools opens both).
  */
 import { spawn } from 'node:child_process';
-import { mkdtempSync, readdirSync, readFileSync } from 'node:fs';
+import { existsSync, mkdtempSync, readdirSync, readFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
+import { fileURLToPath } from 'node:url';
 import { Redis } from 'ioredis';
 import pg from 'pg';
 import { deleteKeys, freePort, serviceArgs } from '../test/support/services.js';
 import { client, runLoad } from './load.js';
 
-const scenario = process.argv[2] ?? 'reserve';
-const seconds = Number(process.argv[3] ?? 10);
+const heap = process.argv.includes('--heap');
+const [scenario = 'reserve', secondsArg = '10'] = process.argv.slice(2).filter((a) => a !== '--heap');
+const seconds = Number(secondsArg);
 const DB = 'respool_profile';
 const PREFIX = `profile${Date.now()}:`;
 
@@ -48,13 +51,54 @@ export function summarise(file: string, top = 30, window?: { fromUs: number; toU
     if (!window || (at >= window.fromUs && at <= window.toUs)) self.set(id, (self.get(id) ?? 0) + delta);
   });
   const total = [...self.values()].reduce((a, b) => a + b, 0);
+  const { byPackage, byFunction } = tally([...self].map(([id, t]) => ({ frame: byId.get(id)!.callFrame, amount: t })));
+  const list = (m: Map<string, number>) =>
+    [...m]
+      .sort((a, b) => b[1] - a[1])
+      .slice(0, top)
+      .map(([k, t]) => `${((t / total) * 100).toFixed(1).padStart(5)} %  ${k}`)
+      .join('\n');
+  return `${(total / 1e6).toFixed(1)} s of samples\n--- self time by package\n${list(byPackage)}\n--- self time by function\n${list(byFunction)}`;
+}
+
+interface HeapNode {
+  callFrame: ProfileNode['callFrame'];
+  selfSize: number;
+  children: HeapNode[];
+}
+
+/** Bytes allocated per operation (sampled), by package and by function, from a sampling heap profile. */
+export function summariseHeap(file: string, ops: number, top = 30): string {
+  const head = (JSON.parse(readFileSync(file, 'utf8')) as { head: HeapNode }).head;
+  const allocations: { frame: ProfileNode['callFrame']; amount: number }[] = [];
+  const walk = (node: HeapNode) => {
+    if (node.selfSize > 0) allocations.push({ frame: node.callFrame, amount: node.selfSize });
+    node.children.forEach(walk);
+  };
+  walk(head);
+  const total = allocations.reduce((sum, a) => sum + a.amount, 0);
+  const { byPackage, byFunction } = tally(allocations);
+  const list = (m: Map<string, number>) =>
+    [...m]
+      .sort((a, b) => b[1] - a[1])
+      .slice(0, top)
+      .map(([k, bytes]) => `${((bytes / total) * 100).toFixed(1).padStart(5)} %  ${(bytes / ops).toFixed(0).padStart(6)} B  ${k}`)
+      .join('\n');
+  return (
+    `${(total / ops).toFixed(0)} bytes allocated per operation (${ops} operations)\n` +
+    `--- by package (share, bytes per operation)\n${list(byPackage)}\n--- by function\n${list(byFunction)}`
+  );
+}
+
+/** Sums amounts by package (or respool / node core / a native function) and by function. */
+function tally(entries: { frame: ProfileNode['callFrame']; amount: number }[]) {
   const byFunction = new Map<string, number>();
   const byPackage = new Map<string, number>();
-  for (const [id, t] of self) {
-    const { functionName, url, lineNumber } = byId.get(id)!.callFrame;
+  for (const { frame, amount } of entries) {
+    const { functionName, url, lineNumber } = frame;
     const path = url.replace(/^file:\/\//, '');
     const fn = `${functionName || '(anonymous)'} ${path.split('/').slice(-2).join('/')}:${lineNumber + 1}`;
-    byFunction.set(fn, (byFunction.get(fn) ?? 0) + t);
+    byFunction.set(fn, (byFunction.get(fn) ?? 0) + amount);
     const nm = path.split('node_modules/').pop()!;
     const pkg = path.includes('node_modules/')
       ? nm
@@ -66,15 +110,9 @@ export function summarise(file: string, top = 30, window?: { fromUs: number; toU
         : path.includes('/dist/')
           ? 'respool'
           : functionName || '(native)';
-    byPackage.set(pkg, (byPackage.get(pkg) ?? 0) + t);
+    byPackage.set(pkg, (byPackage.get(pkg) ?? 0) + amount);
   }
-  const list = (m: Map<string, number>) =>
-    [...m]
-      .sort((a, b) => b[1] - a[1])
-      .slice(0, top)
-      .map(([k, t]) => `${((t / total) * 100).toFixed(1).padStart(5)} %  ${k}`)
-      .join('\n');
-  return `${(total / 1e6).toFixed(1)} s of samples\n--- self time by package\n${list(byPackage)}\n--- self time by function\n${list(byFunction)}`;
+  return { byPackage, byFunction };
 }
 
 interface Snapshot {
@@ -124,9 +162,14 @@ async function main(): Promise<void> {
   await admin.query(`DROP DATABASE IF EXISTS ${DB} WITH (FORCE)`);
   const dir = mkdtempSync(join(tmpdir(), 'respool-profile-'));
   const port = await freePort();
-  const service = spawn(process.execPath, ['--cpu-prof', '--cpu-prof-dir', dir, ...serviceArgs()], {
+  const heapFile = join(dir, 'service.heapprofile');
+  const profiler = heap
+    ? ['--import', fileURLToPath(new URL('./heap-sampler.js', import.meta.url))]
+    : ['--cpu-prof', '--cpu-prof-dir', dir];
+  const service = spawn(process.execPath, [...profiler, ...serviceArgs()], {
     env: {
       ...process.env,
+      RESPOOL_HEAP_PROFILE: heapFile,
       PORT: String(port),
       HOST: '127.0.0.1',
       DATABASE_URL: `postgres://postgres@127.0.0.1:5432/${DB}`,
@@ -187,27 +230,43 @@ async function main(): Promise<void> {
   }
   // What the timed part of the run cost beside the profile: the service's system calls, and Redis' CPU
   // and command time. The first snapshot is taken when the load's warm-up ends (a timer of the same
-  // length, set after the load's own, fires right after it).
+  // length, set after the load's own, fires right after it). With --heap, SIGUSR2 starts and stops the
+  // heap sampler at the same two moments.
   const redis = new Redis('redis://127.0.0.1:6379');
   const load = runLoad(100, seconds * 1000, ops[scenario]);
-  const before = new Promise<Snapshot>((resolve) => setTimeout(() => resolve(snapshot(redis, service.pid!)), 1000));
+  const before = new Promise<Snapshot>((resolve) =>
+    setTimeout(() => {
+      if (heap) service.kill('SIGUSR2');
+      resolve(snapshot(redis, service.pid!));
+    }, 1000),
+  );
   const result = await load;
   const after = await snapshot(redis, service.pid!);
+  if (heap) service.kill('SIGUSR2');
   await redis.quit();
-  console.log(costs(await before, after, result.ops - (result.byStatus['ran dry'] ?? 0)));
+  const done = result.ops - (result.byStatus['ran dry'] ?? 0);
+  console.log(costs(await before, after, done));
   console.log(
     `${scenario}: ${result.rps.toFixed(0)} ops/s, p50 ${result.p50.toFixed(2)} ms, p99 ${result.p99.toFixed(2)} ms ${JSON.stringify(result.byStatus)}`,
   );
   await close();
+  for (let i = 0; heap && !existsSync(heapFile); i++) {
+    if (i > 300) throw new Error('the heap sampler wrote no profile');
+    await new Promise((r) => setTimeout(r, 100));
+  }
   await new Promise<void>((resolve) => {
     service.once('exit', () => resolve());
     service.kill('SIGTERM');
   });
-  const file = join(
-    dir,
-    readdirSync(dir).find((f) => f.endsWith('.cpuprofile'))!,
-  );
-  console.log(`profile: ${file} (the timed run only)\n${summarise(file, 30, (await before).window(after))}`);
+  if (heap) {
+    console.log(`heap profile: ${heapFile} (the timed run only)\n${summariseHeap(heapFile, done)}`);
+  } else {
+    const file = join(
+      dir,
+      readdirSync(dir).find((f) => f.endsWith('.cpuprofile'))!,
+    );
+    console.log(`profile: ${file} (the timed run only)\n${summarise(file, 30, (await before).window(after))}`);
+  }
   await deleteKeys('redis://127.0.0.1:6379', PREFIX);
   await admin.query(`DROP DATABASE IF EXISTS ${DB} WITH (FORCE)`);
   await admin.end();
