@@ -52,12 +52,7 @@ export function summarise(file: string, top = 30, window?: { fromUs: number; toU
   });
   const total = [...self.values()].reduce((a, b) => a + b, 0);
   const { byPackage, byFunction } = tally([...self].map(([id, t]) => ({ frame: byId.get(id)!.callFrame, amount: t })));
-  const list = (m: Map<string, number>) =>
-    [...m]
-      .sort((a, b) => b[1] - a[1])
-      .slice(0, top)
-      .map(([k, t]) => `${((t / total) * 100).toFixed(1).padStart(5)} %  ${k}`)
-      .join('\n');
+  const list = (m: Map<string, number>) => ranked(m, top, total);
   return `${(total / 1e6).toFixed(1)} s of samples\n--- self time by package\n${list(byPackage)}\n--- self time by function\n${list(byFunction)}`;
 }
 
@@ -78,16 +73,20 @@ export function summariseHeap(file: string, ops: number, top = 30): string {
   walk(head);
   const total = allocations.reduce((sum, a) => sum + a.amount, 0);
   const { byPackage, byFunction } = tally(allocations);
-  const list = (m: Map<string, number>) =>
-    [...m]
-      .sort((a, b) => b[1] - a[1])
-      .slice(0, top)
-      .map(([k, bytes]) => `${((bytes / total) * 100).toFixed(1).padStart(5)} %  ${(bytes / ops).toFixed(0).padStart(6)} B  ${k}`)
-      .join('\n');
+  const list = (m: Map<string, number>) => ranked(m, top, total, (bytes) => `${(bytes / ops).toFixed(0).padStart(6)} B  `);
   return (
     `${(total / ops).toFixed(0)} bytes allocated per operation (${ops} operations)\n` +
     `--- by package (share, bytes per operation)\n${list(byPackage)}\n--- by function\n${list(byFunction)}`
   );
+}
+
+/** The `top` largest entries, largest first: each one's share of `total`, what `detail` says of it, its name. */
+function ranked(m: Map<string, number>, top: number, total: number, detail: (amount: number) => string = () => ''): string {
+  return [...m]
+    .sort((a, b) => b[1] - a[1])
+    .slice(0, top)
+    .map(([name, amount]) => `${((amount / total) * 100).toFixed(1).padStart(5)} %  ${detail(amount)}${name}`)
+    .join('\n');
 }
 
 /** Sums amounts by package (or respool / node core / a native function) and by function. */
@@ -120,7 +119,6 @@ interface Snapshot {
   syscalls: { read: number; write: number };
   redisCpuS: number;
   commands: Map<string, { calls: number; usec: number }>;
-  window(later: Snapshot): { fromUs: number; toUs: number };
 }
 
 async function snapshot(redis: Redis, pid: number): Promise<Snapshot> {
@@ -136,7 +134,6 @@ async function snapshot(redis: Redis, pid: number): Promise<Snapshot> {
     syscalls: { read: field(io, 'syscr'), write: field(io, 'syscw') },
     redisCpuS: field(cpu, 'used_cpu_user') + field(cpu, 'used_cpu_sys'),
     commands,
-    window: (later) => ({ fromUs: atUs, toUs: later.atUs }),
   };
 }
 
@@ -265,7 +262,7 @@ async function main(): Promise<void> {
       dir,
       readdirSync(dir).find((f) => f.endsWith('.cpuprofile'))!,
     );
-    console.log(`profile: ${file} (the timed run only)\n${summarise(file, 30, (await before).window(after))}`);
+    console.log(`profile: ${file} (the timed run only)\n${summarise(file, 30, { fromUs: (await before).atUs, toUs: after.atUs })}`);
   }
   await deleteKeys('redis://127.0.0.1:6379', PREFIX);
   await admin.query(`DROP DATABASE IF EXISTS ${DB} WITH (FORCE)`);

@@ -6,7 +6,7 @@ export const ALLOCATE_SIGNATURE = `respool_allocate(p_pools bigint[], p_reservat
                                        p_versions integer[], p_generation_lock bigint)
       RETURNS text[] LANGUAGE plpgsql VOLATILE`;
 
-/** Steps 2-5 for each commit of the batch, in its own subtransaction; uses the variables declared below. */
+/** Steps 2-5 for each commit of the batch, in its own subtransaction; uses ALLOCATE_VARIABLES. */
 export const ALLOCATE_EACH = `        FOR e IN 1 .. cardinality(p_reservations) LOOP
           BEGIN
             IF NOT EXISTS (SELECT 1 FROM t_redis_generation WHERE gen = p_generations[e]) THEN
@@ -36,13 +36,16 @@ export const ALLOCATE_EACH = `        FOR e IN 1 .. cardinality(p_reservations) 
           first := first + p_counts[e];
         END LOOP;`;
 
+/** The variables ALLOCATE_EACH uses, declared by every version of the function. */
+export const ALLOCATE_VARIABLES = `        results text[] := '{}';
+        first integer := 1;
+        allocated_version integer;
+        violated text;`;
+
 export const ALLOCATE_FUNCTION_V1 = `
       CREATE FUNCTION ${ALLOCATE_SIGNATURE} AS $fn$
       DECLARE
-        results text[] := '{}';
-        first integer := 1;
-        allocated_version integer;
-        violated text;
+${ALLOCATE_VARIABLES}
       BEGIN
         PERFORM pg_advisory_xact_lock_shared(p_generation_lock);
 ${ALLOCATE_EACH}

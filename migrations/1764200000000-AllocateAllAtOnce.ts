@@ -1,5 +1,5 @@
 import { MigrationInterface, QueryRunner } from 'typeorm';
-import { ALLOCATE_EACH, ALLOCATE_FUNCTION_V1, ALLOCATE_SIGNATURE } from './1764100000000-AllocateFunction.js';
+import { ALLOCATE_EACH, ALLOCATE_FUNCTION_V1, ALLOCATE_SIGNATURE, ALLOCATE_VARIABLES } from './1764100000000-AllocateFunction.js';
 
 /**
  * `respool_allocate` first tries the whole batch at once: one statement for each of steps 2-5 (see
@@ -21,10 +21,7 @@ export class AllocateAllAtOnce1764200000000 implements MigrationInterface {
     await q.query(`
       CREATE OR REPLACE FUNCTION ${ALLOCATE_SIGNATURE} AS $fn$
       DECLARE
-        results text[] := '{}';
-        first integer := 1;
-        allocated_version integer;
-        violated text;
+${ALLOCATE_VARIABLES}
         changed bigint;
         item_pools bigint[];
         item_owners text[];
