@@ -126,13 +126,14 @@ async function main(): Promise<number> {
 
     await fault('redis FLUSHALL', async () => {
       await direct.flushall();
-      return { losesRedis: true };
+      return { redisLostBy: Date.now() };
     });
     await fault('redis kill -9, restarted empty', async () => {
       await redis.stop();
+      const redisLostBy = Date.now();
       await sleep(2000);
       await redis.start();
-      return { losesRedis: true };
+      return { redisLostBy };
     });
     await fault('postgres immediate shutdown', async () => {
       pg.stopImmediate();

@@ -7,8 +7,12 @@ export interface FaultWindow {
   kind: string;
   start: number;
   end: number;
-  /** Redis state was lost (flush, kill): holds taken before it are not owed to anyone. */
-  losesRedis?: boolean;
+  /**
+   * Redis state was lost (flush, kill) at some moment between `start` and this time (when the flush answered,
+   * or the kill had ended the old server). Holds a reserve sent before this time may have taken are not owed
+   * to anyone: the reserve may have run before the loss. One sent later ran after it.
+   */
+  redisLostBy?: number;
   /** The instance that was paused or killed, if any. */
   instance?: string;
 }
@@ -91,7 +95,9 @@ export async function check(log: Exchange[], windows: FaultWindow[], databaseUrl
     // Hold honoured: a confirm that arrived before expiresAt succeeds.
     if ((e.op === 'confirm' || e.op === 'complete') && e.expiresAt && e.sentAt < e.expiresAt && e.status !== 200) {
       const dependencyDown = (e.status === 503 || e.status === 0) && fault;
-      const redisLost = windows.some((w) => w.losesRedis && w.start >= (e.reservationCreatedAt ?? 0) && w.start <= e.doneAt);
+      const redisLost = windows.some(
+        (w) => w.redisLostBy !== undefined && (e.reservationCreatedAt ?? 0) <= w.redisLostBy && w.start <= e.doneAt,
+      );
       const instancePaused = windows.some((w) => w.instance === e.instance && e.sentAt <= w.end && e.doneAt >= w.start);
       if (dependencyDown || redisLost || instancePaused) counts.excused++;
       else if (e.expiresAt - e.sentAt < LATE_SEND_MS && e.doneAt > e.expiresAt) counts.maybeLate++;
