@@ -1,0 +1,178 @@
+/**
+ * `npm run bench:redis [-- 1000,100000,1000000]`: what Redis itself spends on the reserve path, by pool size.
+ *
+ * The growth target asks reserve latency to stay flat from 1,000 to 1,000,000 items. Redis is where pool
+ * size can show (the service does the same work whatever the size), so this measures Redis alone, with
+ * no HTTP, no service and no network in the figures, on pools laid out exactly as respool lays them out
+ * (free index members and item buckets from src/redis/keys.ts, the item JSON respool caches):
+ *
+ * 1. the commands of the reserve and release scripts that touch the pool's data, each timed inside one
+ *    Lua script (Redis' TIME around a loop of 50,000 calls on random items), less the loop's own cost
+ *    (the same loop with no call); the median of 5 rounds, sizes and commands in turn;
+ * 2. the reserve (count 1) and release scripts themselves, as respool runs them: Redis' own time for
+ *    EVALSHA (`INFO commandstats`) per reserve + release pair, 100 pairs in flight, sizes in turn
+ *    round after round so the machine's drift falls on each alike; the median of 5 rounds.
+ *
+ * It uses its own key prefix and deletes its keys at the end.
+ */
+import { readFileSync } from 'node:fs';
+import { randomUUID } from 'node:crypto';
+import { Redis } from 'ioredis';
+import { freeMember, poolKeys } from '../src/redis/keys.js';
+import type { CachedItem } from '../src/redis/hold-store.repository.js';
+import { AppConfig } from '../src/config/app-config.js';
+
+const sizes = (process.argv[2] ?? '1000,100000,1000000').split(',').map(Number);
+const PREFIX = `rediscost${Date.now()}:`;
+const LOOP = 50_000;
+const ROUNDS = 5;
+const PAIRS = 20_000;
+const IN_FLIGHT = 100;
+
+const redis = new Redis(process.env.REDIS_URL ?? 'redis://127.0.0.1:6379', { enableAutoPipelining: true });
+const scripts = new URL('../../src/redis/scripts/', import.meta.url);
+const lib = readFileSync(new URL('_lib.lua', scripts), 'utf8');
+for (const name of ['reserve', 'release']) {
+  redis.defineCommand(`rp_${name}`, { numberOfKeys: 1, lua: `${lib}\n${readFileSync(new URL(`${name}.lua`, scripts), 'utf8')}` });
+}
+const call = redis as unknown as Record<string, (...args: unknown[]) => Promise<string[]>>;
+
+const say = (msg: string) => console.log(`[bench:redis ${new Date().toISOString().slice(11, 19)}] ${msg}`);
+const median = (xs: number[]) => [...xs].sort((a, b) => a - b)[Math.floor(xs.length / 2)];
+
+/** Item i of a pool: ids and values shaped like respool's (bigint ids, phone-number values). */
+const idOf = (i: number) => String(1_000_000 + i);
+const valueOf = (i: number) => `+8613${String(i).padStart(9, '0')}`;
+
+async function usedMemory(): Promise<number> {
+  return Number(/used_memory:(\d+)/.exec(await redis.info('memory'))![1]);
+}
+
+/** Imports `size` free items; returns Redis memory per item. */
+async function populate(pool: string, size: number): Promise<number> {
+  const keys = poolKeys(PREFIX, pool);
+  const before = await usedMemory();
+  await redis.set(keys.generation, '1');
+  for (let i = 0; i < size; i += 10_000) {
+    const batch = redis.pipeline();
+    const members: (string | number)[] = [];
+    for (let j = i; j < Math.min(size, i + 10_000); j++) {
+      const item: CachedItem = { id: idOf(j), v: valueOf(j), n: 1 };
+      members.push(0, freeMember(item.v, item.id));
+      batch.hset(keys.itemBucket(item.id), item.id, JSON.stringify(item));
+    }
+    batch.zadd(keys.free, ...members);
+    await batch.exec();
+  }
+  return ((await usedMemory()) - before) / size;
+}
+
+/**
+ * One command on random items, LOOP times, inside one script; µs a call. The item is rebuilt in Lua as
+ * populate() built it (the same id, value and bucket rule as _lib.lua's item_key).
+ */
+const COMMAND_LOOP = `
+local base, op, size, loops = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
+local free = base .. 'free'
+local t0 = redis.call('TIME')
+for _ = 1, loops do
+  local i = math.random(0, size - 1)
+  local id = tostring(1000000 + i)
+  local m = string.format('+8613%09d', i) .. '\\0' .. id
+  local bucket = base .. 'item:' .. string.sub(id, 1, -3)
+  if op == 'ZRANDMEMBER' then redis.call('ZRANDMEMBER', free, 1)
+  elseif op == 'ZSCORE' then redis.call('ZSCORE', free, m)
+  elseif op == 'ZREM + ZADD' then redis.call('ZREM', free, m); redis.call('ZADD', free, 0, m)
+  elseif op == 'HGET item' then redis.call('HGET', bucket, id)
+  elseif op == 'EXISTS hold' then redis.call('EXISTS', base .. 'h:' .. id)
+  end
+end
+local t1 = redis.call('TIME')
+return tostring(((t1[1] - t0[1]) * 1e6 + (t1[2] - t0[2])) / loops)`;
+const COMMANDS = ['ZRANDMEMBER', 'ZSCORE', 'ZREM + ZADD', 'HGET item', 'EXISTS hold'];
+
+async function commandCost(pool: string, size: number, op: string): Promise<number> {
+  return Number(await redis.eval(COMMAND_LOOP, 0, poolKeys(PREFIX, pool).base, op, size, LOOP));
+}
+
+async function evalshaUsec(): Promise<number> {
+  const m = /cmdstat_evalsha:calls=\d+,usec=(\d+)/.exec(await redis.info('commandstats'));
+  return m ? Number(m[1]) : 0;
+}
+
+/** Redis' time in EVALSHA per reserve (count 1) + release pair, PAIRS pairs with IN_FLIGHT in flight. */
+async function pairCost(pool: string): Promise<number> {
+  const keys = poolKeys(PREFIX, pool);
+  const grace = new AppConfig().HOLD_GRACE_MS;
+  let started = 0;
+  const before = await evalshaUsec();
+  await Promise.all(
+    Array.from({ length: IN_FLIGHT }, async () => {
+      while (started++ < PAIRS) {
+        const rid = `${pool}.${randomUUID()}`;
+        const held = await call.rp_reserve(keys.free, keys.base, rid, 'bench', 1, 1000, 0, 'r', 60_000, '', '', 0, '', '', '0', grace);
+        if (held[0] !== 'ok') throw new Error(`reserve on ${pool}: ${held.join(' ')}`);
+        const released = await call.rp_release(keys.free, keys.base, rid, 60_000, '');
+        if (released[0] !== 'released') throw new Error(`release on ${pool}: ${released.join(' ')}`);
+      }
+    }),
+  );
+  return ((await evalshaUsec()) - before) / PAIRS;
+}
+
+async function cleanUp(): Promise<void> {
+  const keys = (await redis.eval(`return redis.call('KEYS', ARGV[1])`, 0, `${PREFIX}*`)) as string[];
+  for (let i = 0; i < keys.length; i += 1000) await redis.del(...keys.slice(i, i + 1000));
+}
+
+function row(cells: (string | number)[]): string {
+  return `| ${cells.join(' | ')} |`;
+}
+
+async function main(): Promise<void> {
+  const pools = sizes.map((size) => ({ size, pool: `p${size}` }));
+  for (const { size, pool } of pools) say(`pool of ${size}: ${(await populate(pool, size)).toFixed(0)} bytes of Redis memory an item`);
+
+  // Each command's figure: the median of ROUNDS loops, sizes and commands in turn, less the loop alone.
+  const loops: Record<string, number[][]> = {};
+  for (let round = 0; round < ROUNDS; round++) {
+    for (const op of ['none', ...COMMANDS]) {
+      loops[op] ??= pools.map(() => []);
+      for (const [i, { size, pool }] of pools.entries()) loops[op][i].push(await commandCost(pool, size, op));
+    }
+  }
+  const cost = Object.fromEntries(COMMANDS.map((op) => [op, loops[op].map((xs, i) => median(xs) - median(loops.none[i]))]));
+
+  const pairs: number[][] = pools.map(() => []);
+  for (let round = 0; round < ROUNDS; round++) {
+    for (const [i, { pool }] of pools.entries()) pairs[i].push(await pairCost(pool));
+    say(`round ${round + 1}/${ROUNDS}: ${pools.map(({ size }, i) => `${size}: ${pairs[i][round].toFixed(1)} µs`).join(', ')}`);
+  }
+
+  const growth = (xs: number[]) =>
+    `+${(xs[xs.length - 1] - xs[0]).toFixed(2)} µs (${((xs[xs.length - 1] / xs[0] - 1) * 100).toFixed(0)} %)`;
+  const lines = [
+    row([
+      'Redis time, µs',
+      ...pools.map(({ size }) => `${size.toLocaleString('en-US')} items`),
+      `${sizes[0].toLocaleString('en-US')} → ${sizes[sizes.length - 1].toLocaleString('en-US')}`,
+    ]),
+    row(['---', ...pools.map(() => '---:'), '---:']),
+    ...COMMANDS.map((op) => row([`${op}, a call`, ...cost[op].map((x) => x.toFixed(2)), growth(cost[op])])),
+    row(['reserve (count 1) + release scripts, a pair (median)', ...pairs.map((xs) => median(xs).toFixed(1)), growth(pairs.map(median))]),
+  ];
+  console.log(
+    `\nRedis ${/redis_version:(\S+)/.exec(await redis.info('server'))![1]}; commands: median of ${ROUNDS} loops of ${LOOP.toLocaleString('en-US')} calls inside one script, less the loop alone; pairs: ${PAIRS.toLocaleString('en-US')} a round, ${IN_FLIGHT} in flight, ${ROUNDS} rounds\n`,
+  );
+  console.log(lines.join('\n'));
+}
+
+main()
+  .catch((err) => {
+    console.error(err);
+    process.exitCode = 1;
+  })
+  .finally(async () => {
+    await cleanUp();
+    redis.disconnect();
+  });
