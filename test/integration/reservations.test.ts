@@ -222,6 +222,37 @@ describe('reservations', () => {
     expect(await stats('quota')).toMatchObject({ free: 2, held: 4 });
   });
 
+  it('maxHoldsPerOwner: holds stop counting once released, expired or confirmed, and only once', async () => {
+    await seedPool(api, 'quota-back', numbers(8), { maxHoldsPerOwner: 3 });
+    const owner = 'returning';
+    const held = async () => {
+      const probe = await reserve('quota-back', { owner, count: 3 });
+      if (probe.status === 201) await api.del(`/v1/reservations/${probe.body.id}`);
+      return probe.status === 201 ? 0 : 'some';
+    };
+    // Released, twice: counted off once.
+    const released = await reserve('quota-back', { owner, count: 2 });
+    expect((await reserve('quota-back', { owner, count: 2 })).status).toBe(429);
+    expect((await api.del(`/v1/reservations/${released.body.id}`)).status).toBe(200);
+    expect((await api.del(`/v1/reservations/${released.body.id}`)).status).toBe(200);
+    expect(await held()).toBe(0);
+
+    // Expired, then confirmed late (its items were still free), while the owner holds 1 more: the sweep and
+    // the late confirm each end the reservation, and its 2 holds must come off once, not twice.
+    const expiring = await reserve('quota-back', { owner, count: 2, ttlMs: 1000 });
+    // The sweeper has run once the 2 items are free again (a read says "expired" as soon as the time is up).
+    await eventually(async () => (await stats('quota-back')).free === 8, 4000);
+    const other = await reserve('quota-back', { owner, count: 1 });
+    expect(other.status).toBe(201);
+    const late = await api.post(`/v1/reservations/${expiring.body.id}/confirm`, { resourceIds: [expiring.body.items[0].resourceId] });
+    expect(late.status).toBe(200);
+    // The owner holds 1: 2 more fit, 3 do not.
+    expect((await reserve('quota-back', { owner, count: 3 })).status).toBe(429);
+    const two = await reserve('quota-back', { owner, count: 2 });
+    expect(two.status).toBe(201);
+    expect(await stats('quota-back')).toMatchObject({ free: 4, held: 3, allocated: 1 });
+  });
+
   it('filters: by attributes, by value prefix, and both', async () => {
     await seedPool(api, 'filters', [
       { value: '13800000001', attributes: { city: 'bj', tier: 'gold' } },

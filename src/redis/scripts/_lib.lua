@@ -142,7 +142,29 @@ local function free_items(base, rid, items)
   return n
 end
 
+-- A reservation's fields by name, read in one call (a field it lacks is false), or nil if there is none.
+local function read_reservation(rkey)
+  local f = redis.call('HMGET', rkey, 's', 'o', 'k', 'c', 'e', 'i', 'x', 'ep', 'g', 'pw', 'cnt')
+  if not f[1] then return nil end
+  return { s = f[1], o = f[2], k = f[3], c = f[4], e = f[5], i = f[6], x = f[7], ep = f[8], g = f[9], pw = f[10], cnt = f[11] }
+end
+
+-- The reply describing a reservation from its fields (as read_reservation gives them, or as just written).
+local function reply_of(status, rid, r, now)
+  return { status, rid, r.s or '', r.o or '', r.k or '', r.c or '', r.e or '', r.i or '[]', r.x or '', tostring(now), r.ep or '0', r.g or '0', r.pw or '0' }
+end
+
 local function reservation_reply(status, rid, rkey, now)
-  local f = redis.call('HMGET', rkey, 's', 'o', 'k', 'c', 'e', 'i', 'x', 'ep', 'g', 'pw')
-  return { status, rid, f[1] or '', f[2] or '', f[3] or '', f[4] or '', f[5] or '', f[6] or '[]', f[7] or '', tostring(now), f[8] or '0', f[9] or '0', f[10] or '0' }
+  return reply_of(status, rid, read_reservation(rkey) or {}, now)
+end
+
+-- Ends a held reservation as `state` (its fields r as read_reservation gave them, its items decoded):
+-- stops counting the items against the owner, once, and writes the state in the same call.
+local function end_held(base, rkey, r, items, state)
+  if r.cnt == '1' then
+    count_items(base, r.o, r.k, items, -1)
+    redis.call('HSET', rkey, 's', state, 'cnt', '0')
+  else
+    redis.call('HSET', rkey, 's', state)
+  end
 end

@@ -7,21 +7,22 @@
 --          | {"undecided", epoch} | {"missing"}
 local base, rid, retention, decided = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
 local rkey = base .. 'r:' .. rid
-local f = redis.call('HMGET', rkey, 's', 'ep')
-local state, epoch = f[1], f[2]
+local r = read_reservation(rkey)
 local now = now_ms()
-if not state then return { 'missing' } end
-if state == 'confirmed' then return reservation_reply('confirmed', rid, rkey, now) end
-if state == 'confirming' then return { 'busy' } end
-if state == 'held' and epoch and epoch ~= decided then return { 'undecided', epoch } end
-if state ~= 'released' then
-  local items = decode_items(redis.call('HGET', rkey, 'i'))
-  if state == 'held' then
-    uncount(base, rkey, redis.call('HGET', rkey, 'o'), redis.call('HGET', rkey, 'k'), items)
+if not r then return { 'missing' } end
+if r.s == 'confirmed' then return reply_of('confirmed', rid, r, now) end
+if r.s == 'confirming' then return { 'busy' } end
+if r.s == 'held' and r.ep and r.ep ~= decided then return { 'undecided', r.ep } end
+if r.s ~= 'released' then
+  if r.s == 'held' then
+    local items = decode_items(r.i)
     free_items(base, rid, items)
+    end_held(base, rkey, r, items, 'released')
+  else
+    redis.call('HSET', rkey, 's', 'released')
   end
-  redis.call('HSET', rkey, 's', 'released')
+  r.s = 'released'
   redis.call('PEXPIRE', rkey, retention)
   redis.call('ZREM', base .. 'exp', rid)
 end
-return reservation_reply('released', rid, rkey, now)
+return reply_of('released', rid, r, now)

@@ -110,12 +110,13 @@ for i, c in ipairs(chosen) do
 end
 
 local rkey = base .. 'r:' .. rid
-redis.call('HSET', rkey, 'o', owner, 'k', kind, 's', 'held', 'i', '[' .. table.concat(jsons, ',') .. ']',
-  'c', now, 'e', now + ttl, 'cnt', '1', 'g', generation)
+local r = { o = owner, k = kind, s = 'held', i = '[' .. table.concat(jsons, ',') .. ']', c = tostring(now),
+  e = tostring(now + ttl), cnt = '1', g = generation }
+redis.call('HSET', rkey, 'o', r.o, 'k', r.k, 's', r.s, 'i', r.i, 'c', r.c, 'e', r.e, 'cnt', r.cnt, 'g', r.g)
 redis.call('PEXPIRE', rkey, ttl + grace + retention)
 redis.call('ZADD', base .. 'exp', now + ttl + grace, rid)
 count_items(base, owner, kind, items, 1)
 if idem_key ~= '' then
   redis.call('SET', base .. 'idem:' .. idem_key, rid .. '\n' .. body_hash, 'PX', idem_ttl)
 end
-return reservation_reply('ok', rid, rkey, now)
+return reply_of('ok', rid, r, now)

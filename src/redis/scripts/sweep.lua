@@ -11,15 +11,14 @@ local due = redis.call('ZRANGEBYSCORE', exp, '-inf', now, 'LIMIT', 0, batch)
 local expired, freed, reply = 0, 0, { 0, 0 }
 for _, rid in ipairs(due) do
   local rkey = base .. 'r:' .. rid
-  local f = redis.call('HMGET', rkey, 's', 'o', 'k', 'i', 'ep')
-  if f[1] == 'confirming' or (f[1] == 'held' and f[5]) then
+  local r = read_reservation(rkey) or {}
+  if r.s == 'confirming' or (r.s == 'held' and r.ep) then
     redis.call('ZADD', exp, now + recheck, rid)
     reply[#reply + 1] = rid
-  elseif f[1] == 'held' then
-    local items = decode_items(f[4])
-    uncount(base, rkey, f[2], f[3], items)
+  elseif r.s == 'held' then
+    local items = decode_items(r.i)
     freed = freed + free_items(base, rid, items)
-    redis.call('HSET', rkey, 's', 'expired')
+    end_held(base, rkey, r, items, 'expired')
     redis.call('PEXPIRE', rkey, retention)
     redis.call('ZREM', exp, rid)
     expired = expired + 1
