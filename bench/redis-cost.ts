@@ -120,6 +120,33 @@ async function pairCost(pool: string): Promise<number> {
   return ((await evalshaUsec()) - before) / PAIRS;
 }
 
+/**
+ * The same pair with no EVALSHA and no network: the two scripts' bodies run back to back PAIRS times
+ * inside one script (each body a Lua function of its ARGV, after the shared library); µs a pair.
+ */
+function scriptLoop(): string {
+  const body = (name: string) => `local function ${name}_body(ARGV)\n${readFileSync(new URL(`${name}.lua`, scripts), 'utf8')}\nend`;
+  return `${lib}
+${body('reserve')}
+${body('release')}
+local base, tag, pairs, grace = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
+local t0 = redis.call('TIME')
+for i = 1, pairs do
+  local rid = tag .. i
+  local held = reserve_body({ base, rid, 'bench', '1', '1000', '0', 'r', '60000', '', '', '0', '', '', '0', grace })
+  if held[1] ~= 'ok' then return redis.error_reply('reserve: ' .. tostring(held[1])) end
+  local released = release_body({ base, rid, '60000', '' })
+  if released[1] ~= 'released' then return redis.error_reply('release: ' .. tostring(released[1])) end
+end
+local t1 = redis.call('TIME')
+return tostring(((t1[1] - t0[1]) * 1e6 + (t1[2] - t0[2])) / pairs)`;
+}
+
+async function loopCost(pool: string, round: number): Promise<number> {
+  const grace = new AppConfig().HOLD_GRACE_MS;
+  return Number(await redis.eval(scriptLoop(), 0, poolKeys(PREFIX, pool).base, `${pool}.loop${round}.`, PAIRS, grace));
+}
+
 async function cleanUp(): Promise<void> {
   const keys = (await redis.eval(`return redis.call('KEYS', ARGV[1])`, 0, `${PREFIX}*`)) as string[];
   for (let i = 0; i < keys.length; i += 1000) await redis.del(...keys.slice(i, i + 1000));
@@ -144,9 +171,12 @@ async function main(): Promise<void> {
   const cost = Object.fromEntries(COMMANDS.map((op) => [op, loops[op].map((xs, i) => median(xs) - median(loops.none[i]))]));
 
   const pairs: number[][] = pools.map(() => []);
+  const inScript: number[][] = pools.map(() => []);
   for (let round = 0; round < ROUNDS; round++) {
     for (const [i, { pool }] of pools.entries()) pairs[i].push(await pairCost(pool));
-    say(`round ${round + 1}/${ROUNDS}: ${pools.map(({ size }, i) => `${size}: ${pairs[i][round].toFixed(1)} µs`).join(', ')}`);
+    for (const [i, { pool }] of pools.entries()) inScript[i].push(await loopCost(pool, round));
+    const show = (xs: number[][]) => pools.map(({ size }, i) => `${size}: ${xs[i][round].toFixed(1)} µs`).join(', ');
+    say(`round ${round + 1}/${ROUNDS}: EVALSHA pairs ${show(pairs)}; in one script ${show(inScript)}`);
   }
 
   const growth = (xs: number[]) =>
@@ -159,7 +189,16 @@ async function main(): Promise<void> {
     ]),
     row(['---', ...pools.map(() => '---:'), '---:']),
     ...COMMANDS.map((op) => row([`${op}, a call`, ...cost[op].map((x) => x.toFixed(2)), growth(cost[op])])),
-    row(['reserve (count 1) + release scripts, a pair (median)', ...pairs.map((xs) => median(xs).toFixed(1)), growth(pairs.map(median))]),
+    row([
+      'reserve (count 1) + release scripts, a pair, EVALSHA (median)',
+      ...pairs.map((xs) => median(xs).toFixed(1)),
+      growth(pairs.map(median)),
+    ]),
+    row([
+      'the same two scripts run inside one script, a pair (median)',
+      ...inScript.map((xs) => median(xs).toFixed(1)),
+      growth(inScript.map(median)),
+    ]),
   ];
   console.log(
     `\nRedis ${/redis_version:(\S+)/.exec(await redis.info('server'))![1]}; commands: median of ${ROUNDS} loops of ${LOOP.toLocaleString('en-US')} calls inside one script, less the loop alone; pairs: ${PAIRS.toLocaleString('en-US')} a round, ${IN_FLIGHT} in flight, ${ROUNDS} rounds\n`,
