@@ -119,14 +119,6 @@ local function count_items(base, owner, kind, items, delta)
   end
 end
 
--- Stops counting a reservation's items against its owner, once.
-local function uncount(base, rkey, owner, kind, items)
-  if redis.call('HGET', rkey, 'cnt') == '1' then
-    count_items(base, owner, kind, items, -1)
-    redis.call('HSET', rkey, 'cnt', '0')
-  end
-end
-
 -- Drops the holds this reservation still has and returns those items to the free index. An item with
 -- no cache entry was allocated meanwhile (finish drops the entry): it is not free.
 local function free_items(base, rid, items)
@@ -144,9 +136,9 @@ end
 
 -- A reservation's fields by name, read in one call (a field it lacks is false), or nil if there is none.
 local function read_reservation(rkey)
-  local f = redis.call('HMGET', rkey, 's', 'o', 'k', 'c', 'e', 'i', 'x', 'ep', 'g', 'pw', 'cnt')
+  local f = redis.call('HMGET', rkey, 's', 'o', 'k', 'c', 'e', 'i', 'x', 'ep', 'g', 'pw', 'cnt', 'sel')
   if not f[1] then return nil end
-  return { s = f[1], o = f[2], k = f[3], c = f[4], e = f[5], i = f[6], x = f[7], ep = f[8], g = f[9], pw = f[10], cnt = f[11] }
+  return { s = f[1], o = f[2], k = f[3], c = f[4], e = f[5], i = f[6], x = f[7], ep = f[8], g = f[9], pw = f[10], cnt = f[11], sel = f[12] }
 end
 
 -- The reply describing a reservation from its fields (as read_reservation gives them, or as just written).
@@ -158,13 +150,14 @@ local function reservation_reply(status, rid, rkey, now)
   return reply_of(status, rid, read_reservation(rkey) or {}, now)
 end
 
--- Ends a held reservation as `state` (its fields r as read_reservation gave them, its items decoded):
--- stops counting the items against the owner, once, and writes the state in the same call.
-local function end_held(base, rkey, r, items, state)
+-- Stops counting a reservation's items against its owner, once (r: its fields as read_reservation gave
+-- them). Adds the write that records it to `fields`, the field-value list of the caller's HSET, and
+-- returns that list.
+local function uncount_into(base, r, items, fields)
   if r.cnt == '1' then
     count_items(base, r.o, r.k, items, -1)
-    redis.call('HSET', rkey, 's', state, 'cnt', '0')
-  else
-    redis.call('HSET', rkey, 's', state)
+    local n = #fields
+    fields[n + 1], fields[n + 2] = 'cnt', '0'
   end
+  return fields
 end

@@ -10,9 +10,9 @@
 local base, rid, epoch, retention, tombstone_ms = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5])
 local grace = tonumber(ARGV[7])
 local rkey = base .. 'r:' .. rid
-local f = redis.call('HMGET', rkey, 's', 'o', 'k', 'i', 'e', 'ep')
-if (f[1] ~= 'confirming' and f[1] ~= 'held') or f[6] ~= epoch then return -1 end
-local items = decode_items(f[4])
+local r = read_reservation(rkey) or {}
+if (r.s ~= 'confirming' and r.s ~= 'held') or r.ep ~= epoch then return -1 end
+local items = decode_items(r.i)
 local now = now_ms()
 
 local allocated = {}
@@ -49,7 +49,7 @@ for _, item in ipairs(items) do
   end
 end
 
-local expires = tonumber(f[5])
+local expires = tonumber(r.e)
 if expires > now and next(allocated) == nil and next(fresh) == nil then
   -- Nothing changed under it and the hold is still due: held again, owner may retry the confirm. Its
   -- holds last until the sweeper settles it at expiry (it has an epoch), like pinned ones.
@@ -69,9 +69,8 @@ if expires > now and next(allocated) == nil and next(fresh) == nil then
   return -2
 end
 
-uncount(base, rkey, f[2], f[3], items)
 local freed = free_items(base, rid, back)
-redis.call('HSET', rkey, 's', 'expired')
+redis.call('HSET', rkey, unpack(uncount_into(base, r, items, { 's', 'expired' })))
 redis.call('PEXPIRE', rkey, retention)
 redis.call('ZREM', base .. 'exp', rid)
 return freed

@@ -31,10 +31,9 @@ end
 
 local rkey = base .. 'r:' .. rid
 local freed = 0
-local state = redis.call('HGET', rkey, 's')
-if state then
-  local owner, kind = redis.call('HGET', rkey, 'o'), redis.call('HGET', rkey, 'k')
-  local items = decode_items(redis.call('HGET', rkey, 'i'))
+local r = read_reservation(rkey)
+if r then
+  local items = decode_items(r.i)
   local rest = {}
   for _, item in ipairs(items) do
     if not chosen[item.id] then
@@ -43,11 +42,12 @@ if state then
       unindex(base, item)
     end
   end
-  if state ~= 'confirmed' then
-    uncount(base, rkey, owner, kind, items)
+  local fields = { 's', 'confirmed', 'x', outcome, 'sel', selection }
+  if r.s ~= 'confirmed' then
+    uncount_into(base, r, items, fields)
     freed = free_items(base, rid, rest)
   end
-  redis.call('HSET', rkey, 's', 'confirmed', 'x', outcome, 'sel', selection)
+  redis.call('HSET', rkey, unpack(fields))
   redis.call('PEXPIRE', rkey, retention)
 end
 redis.call('ZREM', base .. 'exp', rid)

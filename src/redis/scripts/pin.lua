@@ -13,14 +13,13 @@
 --          | {"confirmed", ...same} (already committed) | {"missing"} | {"closed"} | {"notin", id} | {"lost", id}
 local base, rid, window, selection = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
 local rkey = base .. 'r:' .. rid
-local f = redis.call('HMGET', rkey, 's', 'pw', 'sel', 'i')
-local state = f[1]
+local r = read_reservation(rkey)
 local now = now_ms()
-if not state then return { 'missing' } end
-if state == 'confirmed' then return reservation_reply('confirmed', rid, rkey, now) end
-if state == 'released' then return { 'closed' } end
+if not r then return { 'missing' } end
+if r.s == 'confirmed' then return reply_of('confirmed', rid, r, now) end
+if r.s == 'released' then return { 'closed' } end
 
-local items = decode_items(f[4])
+local items = decode_items(r.i)
 local by_id = {}
 for _, item in ipairs(items) do by_id[item.id] = item end
 local selected = {}
@@ -36,8 +35,11 @@ for i, item in ipairs(selected) do
   if holders[i] and holders[i] ~= rid then return { 'lost', item.id } end
 end
 
-if state ~= 'confirming' or tonumber(f[2] or 0) <= now or f[3] ~= selection then redis.call('HINCRBY', rkey, 'ep', 1) end
-redis.call('HSET', rkey, 's', 'confirming', 'sel', selection, 'pw', now + window)
+if r.s ~= 'confirming' or tonumber(r.pw or 0) <= now or r.sel ~= selection then
+  r.ep = tostring(redis.call('HINCRBY', rkey, 'ep', 1))
+end
+r.s, r.sel, r.pw = 'confirming', selection, tostring(now + window)
+redis.call('HSET', rkey, 's', r.s, 'sel', r.sel, 'pw', r.pw)
 redis.call('ZADD', base .. 'exp', now + window, rid)
 local keep = window + tonumber(redis.call('PTTL', rkey))
 redis.call('PEXPIRE', rkey, keep)
@@ -54,4 +56,4 @@ for i, item in ipairs(selected) do
   end
   redis.call('SET', hkey, rid, 'PX', keep)
 end
-return reservation_reply('pinned', rid, rkey, now)
+return reply_of('pinned', rid, r, now)

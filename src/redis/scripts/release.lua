@@ -17,7 +17,7 @@ if r.s ~= 'released' then
   if r.s == 'held' then
     local items = decode_items(r.i)
     free_items(base, rid, items)
-    end_held(base, rkey, r, items, 'released')
+    redis.call('HSET', rkey, unpack(uncount_into(base, r, items, { 's', 'released' })))
   else
     redis.call('HSET', rkey, 's', 'released')
   end

@@ -18,7 +18,7 @@ for _, rid in ipairs(due) do
   elseif r.s == 'held' then
     local items = decode_items(r.i)
     freed = freed + free_items(base, rid, items)
-    end_held(base, rkey, r, items, 'expired')
+    redis.call('HSET', rkey, unpack(uncount_into(base, r, items, { 's', 'expired' })))
     redis.call('PEXPIRE', rkey, retention)
     redis.call('ZREM', exp, rid)
     expired = expired + 1
