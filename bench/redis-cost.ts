@@ -1,5 +1,6 @@
 /**
- * `npm run bench:redis [-- 1000,100000,1000000]`: what Redis itself spends on the reserve path, by pool size.
+ * `npm run bench:redis [-- 1000,100000,1000000] [--baseline <scripts folder>]`: what Redis itself spends on
+ * respool's scripts, by pool size.
  *
  * The growth target asks reserve latency to stay flat from 1,000 to 1,000,000 items. Redis is where pool
  * size can show (the service does the same work whatever the size), so this measures Redis alone, with
@@ -11,29 +12,44 @@
  *    (the same loop with no call); the median of 5 rounds, sizes and commands in turn;
  * 2. the reserve (count 1) and release scripts themselves, as respool runs them: Redis' own time for
  *    EVALSHA (`INFO commandstats`) per reserve + release pair, 100 pairs in flight, sizes in turn
- *    round after round so the machine's drift falls on each alike; the median of 5 rounds.
+ *    round after round so the machine's drift falls on each alike; the median of 5 rounds;
+ * 3. the same pair with no EVALSHA and no network: the scripts' bodies run back to back inside one script
+ *    (each body a Lua function of its ARGV, after the shared library), a steadier figure than 2;
+ * 4. on the largest pool, three flows run the same way inside one script: reserve 1 + release; reserve 3
+ *    + confirm 1 (pin, finish); reserve 3 with a 1 ms hold + its expiry (a sweep every 100 reserves).
+ *    With --baseline, the same flows with the scripts of another folder (another checkout's
+ *    src/redis/scripts), in turn round after round, and the ratio: a change to the scripts measured
+ *    against what it changed, in one run.
  *
  * It uses its own key prefix and deletes its keys at the end.
  */
 import { readFileSync } from 'node:fs';
+import { join } from 'node:path';
+import { fileURLToPath } from 'node:url';
 import { randomUUID } from 'node:crypto';
 import { Redis } from 'ioredis';
 import { freeMember, poolKeys } from '../src/redis/keys.js';
 import type { CachedItem } from '../src/redis/hold-store.repository.js';
 import { AppConfig } from '../src/config/app-config.js';
 
-const sizes = (process.argv[2] ?? '1000,100000,1000000').split(',').map(Number);
+const args = process.argv.slice(2);
+const baselineAt = args.indexOf('--baseline');
+const baselineDir = baselineAt >= 0 ? args.splice(baselineAt, 2)[1] : undefined;
+const sizes = (args[0] ?? '1000,100000,1000000').split(',').map(Number);
 const PREFIX = `rediscost${Date.now()}:`;
 const LOOP = 50_000;
 const ROUNDS = 5;
 const PAIRS = 20_000;
+/** Operations a flow's loop runs inside one script (part 4). */
+const FLOW_OPS = 5_000;
 const IN_FLIGHT = 100;
 
 const redis = new Redis(process.env.REDIS_URL ?? 'redis://127.0.0.1:6379', { enableAutoPipelining: true });
-const scripts = new URL('../../src/redis/scripts/', import.meta.url);
-const lib = readFileSync(new URL('_lib.lua', scripts), 'utf8');
+const scripts = fileURLToPath(new URL('../../src/redis/scripts/', import.meta.url));
+const readScript = (dir: string, name: string) => readFileSync(join(dir, `${name}.lua`), 'utf8');
+const lib = readScript(scripts, '_lib');
 for (const name of ['reserve', 'release']) {
-  redis.defineCommand(`rp_${name}`, { numberOfKeys: 1, lua: `${lib}\n${readFileSync(new URL(`${name}.lua`, scripts), 'utf8')}` });
+  redis.defineCommand(`rp_${name}`, { numberOfKeys: 1, lua: `${lib}\n${readScript(scripts, name)}` });
 }
 const call = redis as unknown as Record<string, (...args: unknown[]) => Promise<string[]>>;
 
@@ -120,31 +136,49 @@ async function pairCost(pool: string): Promise<number> {
   return ((await evalshaUsec()) - before) / PAIRS;
 }
 
+type Flow = 'reserve 1 + release' | 'reserve 3 + confirm 1' | 'reserve 3 + expiry';
+const FLOWS: Flow[] = ['reserve 1 + release', 'reserve 3 + confirm 1', 'reserve 3 + expiry'];
+
 /**
- * The same pair with no EVALSHA and no network: the two scripts' bodies run back to back PAIRS times
- * inside one script (each body a Lua function of its ARGV, after the shared library); µs a pair.
+ * A flow run `ops` times inside one script, with the scripts of folder `dir`: each script's body becomes a
+ * Lua function of its ARGV, after the shared library, called with the arguments respool gives it. µs an op.
  */
-function scriptLoop(): string {
-  const body = (name: string) => `local function ${name}_body(ARGV)\n${readFileSync(new URL(`${name}.lua`, scripts), 'utf8')}\nend`;
-  return `${lib}
-${body('reserve')}
-${body('release')}
-local base, tag, pairs, grace = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
+function flowLoop(dir: string): string {
+  const body = (name: string) => `local function ${name}_body(ARGV)\n${readScript(dir, name)}\nend`;
+  return `${readScript(dir, '_lib')}
+${['reserve', 'release', 'pin', 'finish', 'sweep'].map(body).join('\n')}
+local base, tag, ops, flow, grace = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4], ARGV[5]
+local function reserve(rid, count, ttl, hold_grace)
+  local held = reserve_body({ base, rid, 'bench', count, ttl, '0', 'r', '60000', '', '', '0', '', '', '0', hold_grace })
+  if held[1] ~= 'ok' then error('reserve: ' .. tostring(held[1])) end
+  return held
+end
 local t0 = redis.call('TIME')
-for i = 1, pairs do
+for i = 1, ops do
   local rid = tag .. i
-  local held = reserve_body({ base, rid, 'bench', '1', '1000', '0', 'r', '60000', '', '', '0', '', '', '0', grace })
-  if held[1] ~= 'ok' then return redis.error_reply('reserve: ' .. tostring(held[1])) end
-  local released = release_body({ base, rid, '60000', '' })
-  if released[1] ~= 'released' then return redis.error_reply('release: ' .. tostring(released[1])) end
+  if flow == 'reserve 1 + release' then
+    reserve(rid, '1', '1000', grace)
+    local released = release_body({ base, rid, '60000', '' })
+    if released[1] ~= 'released' then error('release: ' .. tostring(released[1])) end
+  elseif flow == 'reserve 3 + confirm 1' then
+    local item = cjson.decode(reserve(rid, '3', '60000', grace)[8])[1]
+    local pinned = pin_body({ base, rid, '15000', item.id })
+    if pinned[1] ~= 'pinned' then error('pin: ' .. tostring(pinned[1])) end
+    finish_body({ base, rid, item.id, '{}', '60000', '60000', item.v .. '\\0' .. item.id, tostring(item.n + 1) })
+  else
+    reserve(rid, '3', '1', '0')
+    if i % 100 == 0 then sweep_body({ base, '100', '60000', '15000' }) end
+  end
 end
 local t1 = redis.call('TIME')
-return tostring(((t1[1] - t0[1]) * 1e6 + (t1[2] - t0[2])) / pairs)`;
+return tostring(((t1[1] - t0[1]) * 1e6 + (t1[2] - t0[2])) / ops)`;
 }
 
-async function loopCost(pool: string, round: number): Promise<number> {
-  const grace = new AppConfig().HOLD_GRACE_MS;
-  return Number(await redis.eval(scriptLoop(), 0, poolKeys(PREFIX, pool).base, `${pool}.loop${round}.`, PAIRS, grace));
+let flowRuns = 0;
+async function flowCost(dir: string, pool: string, flow: Flow, ops: number): Promise<number> {
+  const grace = String(new AppConfig().HOLD_GRACE_MS);
+  const tag = `${pool}.flow${flowRuns++}.`;
+  return Number(await redis.eval(flowLoop(dir), 0, poolKeys(PREFIX, pool).base, tag, ops, flow, grace));
 }
 
 async function cleanUp(): Promise<void> {
@@ -174,7 +208,7 @@ async function main(): Promise<void> {
   const inScript: number[][] = pools.map(() => []);
   for (let round = 0; round < ROUNDS; round++) {
     for (const [i, { pool }] of pools.entries()) pairs[i].push(await pairCost(pool));
-    for (const [i, { pool }] of pools.entries()) inScript[i].push(await loopCost(pool, round));
+    for (const [i, { pool }] of pools.entries()) inScript[i].push(await flowCost(scripts, pool, 'reserve 1 + release', PAIRS));
     const show = (xs: number[][]) => pools.map(({ size }, i) => `${size}: ${xs[i][round].toFixed(1)} µs`).join(', ');
     say(`round ${round + 1}/${ROUNDS}: EVALSHA pairs ${show(pairs)}; in one script ${show(inScript)}`);
   }
@@ -204,6 +238,34 @@ async function main(): Promise<void> {
     `\nRedis ${/redis_version:(\S+)/.exec(await redis.info('server'))![1]}; commands: median of ${ROUNDS} loops of ${LOOP.toLocaleString('en-US')} calls inside one script, less the loop alone; pairs: ${PAIRS.toLocaleString('en-US')} a round, ${IN_FLIGHT} in flight, ${ROUNDS} rounds\n`,
   );
   console.log(lines.join('\n'));
+
+  // Part 4: the flows on the largest pool, these scripts and the baseline's in turn, round after round.
+  const largest = pools[pools.length - 1];
+  const folders = baselineDir ? [scripts, baselineDir] : [scripts];
+  const flows = FLOWS.map((flow) => ({ flow, runs: folders.map(() => [] as number[]) }));
+  for (let round = 0; round < ROUNDS; round++) {
+    for (const { flow, runs } of flows) {
+      // Which folder goes first alternates, so neither always runs on the other's leftovers.
+      const order = round % 2 ? [...folders.keys()].reverse() : [...folders.keys()];
+      for (const f of order) runs[f].push(await flowCost(folders[f], largest.pool, flow, FLOW_OPS));
+    }
+  }
+  console.log(
+    `\nFlows inside one script on the ${largest.size.toLocaleString('en-US')}-item pool, µs an operation: median of ${ROUNDS} loops of ${FLOW_OPS.toLocaleString('en-US')}${baselineDir ? `; baseline: ${baselineDir}` : ''}\n`,
+  );
+  const header = baselineDir ? ['flow', 'these scripts', 'baseline', 'these / baseline'] : ['flow', 'these scripts'];
+  console.log(
+    [
+      row(header),
+      row(header.map((_, i) => (i === 0 ? '---' : '---:'))),
+      ...flows.map(({ flow, runs }) => {
+        const [mine, base] = runs.map(median);
+        return row(
+          baselineDir ? [flow, mine.toFixed(1), base.toFixed(1), `${((mine / base) * 100).toFixed(0)} %`] : [flow, mine.toFixed(1)],
+        );
+      }),
+    ].join('\n'),
+  );
 }
 
 main()
