@@ -5,7 +5,7 @@
  * The growth target asks reserve latency to stay flat from 1,000 to 1,000,000 items. Redis is where pool
  * size can show (the service does the same work whatever the size), so this measures Redis alone, with
  * no HTTP, no service and no network in the figures, on pools laid out exactly as respool lays them out
- * (free index members and item buckets from src/redis/keys.ts, the item JSON respool caches):
+ * (imported through its own add_free script, as HoldStore.addFree imports them):
  *
  * 1. the commands of the reserve and release scripts that touch the pool's data, each timed inside one
  *    Lua script (Redis' TIME around a loop of 50,000 calls on random items), less the loop's own cost
@@ -28,7 +28,8 @@ import { join } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { randomUUID } from 'node:crypto';
 import { Redis } from 'ioredis';
-import { freeMember, poolKeys } from '../src/redis/keys.js';
+import { poolKeys } from '../src/redis/keys.js';
+import { deleteKeys } from '../test/support/services.js';
 import type { CachedItem } from '../src/redis/hold-store.repository.js';
 import { AppConfig } from '../src/config/app-config.js';
 
@@ -44,11 +45,12 @@ const PAIRS = 20_000;
 const FLOW_OPS = 5_000;
 const IN_FLIGHT = 100;
 
-const redis = new Redis(process.env.REDIS_URL ?? 'redis://127.0.0.1:6379', { enableAutoPipelining: true });
+const REDIS_URL = process.env.REDIS_URL ?? 'redis://127.0.0.1:6379';
+const redis = new Redis(REDIS_URL, { enableAutoPipelining: true });
 const scripts = fileURLToPath(new URL('../../src/redis/scripts/', import.meta.url));
 const readScript = (dir: string, name: string) => readFileSync(join(dir, `${name}.lua`), 'utf8');
 const lib = readScript(scripts, '_lib');
-for (const name of ['reserve', 'release']) {
+for (const name of ['reserve', 'release', 'add_free']) {
   redis.defineCommand(`rp_${name}`, { numberOfKeys: 1, lua: `${lib}\n${readScript(scripts, name)}` });
 }
 const call = redis as unknown as Record<string, (...args: unknown[]) => Promise<string[]>>;
@@ -64,21 +66,18 @@ async function usedMemory(): Promise<number> {
   return Number(/used_memory:(\d+)/.exec(await redis.info('memory'))![1]);
 }
 
-/** Imports `size` free items; returns Redis memory per item. */
+/**
+ * Imports `size` free items as respool does (its add_free script, 500 items a call, as HoldStore.addFree
+ * sends them, in generation 1); returns Redis memory per item.
+ */
 async function populate(pool: string, size: number): Promise<number> {
   const keys = poolKeys(PREFIX, pool);
   const before = await usedMemory();
   await redis.set(keys.generation, '1');
-  for (let i = 0; i < size; i += 10_000) {
-    const batch = redis.pipeline();
-    const members: (string | number)[] = [];
-    for (let j = i; j < Math.min(size, i + 10_000); j++) {
-      const item: CachedItem = { id: idOf(j), v: valueOf(j), n: 1 };
-      members.push(0, freeMember(item.v, item.id));
-      batch.hset(keys.itemBucket(item.id), item.id, JSON.stringify(item));
-    }
-    batch.zadd(keys.free, ...members);
-    await batch.exec();
+  for (let i = 0; i < size; i += 500) {
+    const items: CachedItem[] = [];
+    for (let j = i; j < Math.min(size, i + 500); j++) items.push({ id: idOf(j), v: valueOf(j), n: 0 });
+    await call.rp_add_free(keys.free, keys.base, 1, ...items.map((item) => JSON.stringify(item)));
   }
   return ((await usedMemory()) - before) / size;
 }
@@ -181,11 +180,6 @@ async function flowCost(dir: string, pool: string, flow: Flow, ops: number): Pro
   return Number(await redis.eval(flowLoop(dir), 0, poolKeys(PREFIX, pool).base, tag, ops, flow, grace));
 }
 
-async function cleanUp(): Promise<void> {
-  const keys = (await redis.eval(`return redis.call('KEYS', ARGV[1])`, 0, `${PREFIX}*`)) as string[];
-  for (let i = 0; i < keys.length; i += 1000) await redis.del(...keys.slice(i, i + 1000));
-}
-
 function row(cells: (string | number)[]): string {
   return `| ${cells.join(' | ')} |`;
 }
@@ -213,8 +207,8 @@ async function main(): Promise<void> {
     say(`round ${round + 1}/${ROUNDS}: EVALSHA pairs ${show(pairs)}; in one script ${show(inScript)}`);
   }
 
-  const growth = (xs: number[]) =>
-    `+${(xs[xs.length - 1] - xs[0]).toFixed(2)} µs (${((xs[xs.length - 1] / xs[0] - 1) * 100).toFixed(0)} %)`;
+  const signed = (x: number, digits: number) => `${x < 0 ? '−' : '+'}${Math.abs(x).toFixed(digits)}`;
+  const growth = (xs: number[]) => `${signed(xs[xs.length - 1] - xs[0], 2)} µs (${signed((xs[xs.length - 1] / xs[0] - 1) * 100, 0)} %)`;
   const lines = [
     row([
       'Redis time, µs',
@@ -274,6 +268,6 @@ main()
     process.exitCode = 1;
   })
   .finally(async () => {
-    await cleanUp();
+    await deleteKeys(REDIS_URL, PREFIX);
     redis.disconnect();
   });
