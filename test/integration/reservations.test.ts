@@ -244,7 +244,10 @@ describe('reservations', () => {
     await eventually(async () => (await stats('quota-back')).free === 8, 4000);
     const other = await reserve('quota-back', { owner, count: 1 });
     expect(other.status).toBe(201);
-    const late = await api.post(`/v1/reservations/${expiring.body.id}/confirm`, { resourceIds: [expiring.body.items[0].resourceId] });
+    // Its items were free again: confirm one that the reserve just now did not take.
+    const taken = other.body.items[0].resourceId;
+    const untaken = expiring.body.items.map((i: { resourceId: string }) => i.resourceId).find((id: string) => id !== taken);
+    const late = await api.post(`/v1/reservations/${expiring.body.id}/confirm`, { resourceIds: [untaken] });
     expect(late.status).toBe(200);
     // The owner holds 1: 2 more fit, 3 do not.
     expect((await reserve('quota-back', { owner, count: 3 })).status).toBe(429);
