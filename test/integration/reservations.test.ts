@@ -54,6 +54,21 @@ describe('reservations', () => {
     expect(resource.body).toMatchObject({ state: 'allocated', owner: 'user-123', version: chosen.version + 1 });
   });
 
+  it('all or nothing: a reserve asking for more than are free (or match) is 409 POOL_EXHAUSTED and holds none of them', async () => {
+    await seedPool(api, 'all-or-none', [{ value: '13800000001' }, { value: '13800000002' }, { value: '13900000003' }]);
+    const tooMany = await reserve('all-or-none', { owner: 'a', count: 4 });
+    expect(tooMany.status).toBe(409);
+    expect(tooMany.body.error.code).toBe('POOL_EXHAUSTED');
+    const tooManyByPrefix = await reserve('all-or-none', { owner: 'a', count: 3, filter: { valuePrefix: '138' } });
+    expect(tooManyByPrefix.body.error.code).toBe('POOL_EXHAUSTED');
+    expect(await stats('all-or-none')).toEqual({ total: 3, free: 3, held: 0, allocated: 0 });
+
+    // Every item the failed reserves looked at is still free and unheld: a reserve of all of them gets them.
+    const all = await reserve('all-or-none', { owner: 'b', count: 3 });
+    expect(all.status).toBe(201);
+    expect(all.body.items.map((i: { value: string }) => i.value).sort()).toEqual(['13800000001', '13800000002', '13900000003']);
+  });
+
   it('confirm is idempotent; a different selection afterwards is RESERVATION_CLOSED', async () => {
     await seedPool(api, 'idem-confirm', numbers(3));
     const r = await reserve('idem-confirm', { owner: 'payer', count: 3 });

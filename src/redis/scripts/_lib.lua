@@ -87,15 +87,24 @@ local function unindex(base, item)
   if has_group(item) then redis.call('SREM', base .. 'fg:' .. item.g, m) end
 end
 
+-- Puts items into every free index, all of them in one ZADD; returns how many of them were not free before.
+local function index_all(base, items)
+  if #items == 0 then return 0 end
+  local scored = {}
+  for _, item in ipairs(items) do
+    local m = member_of(item)
+    scored[#scored + 1], scored[#scored + 2] = 0, m
+    if type(item.a) == 'table' then
+      for k, v in pairs(item.a) do redis.call('SADD', attr_key(base, k, v), m) end
+    end
+    if has_group(item) then redis.call('SADD', base .. 'fg:' .. item.g, m) end
+  end
+  return redis.call('ZADD', base .. 'free', unpack(scored))
+end
+
 -- Puts an item into every free index; returns 1 if it was not free before.
 local function index(base, item)
-  local m = member_of(item)
-  local added = redis.call('ZADD', base .. 'free', 0, m)
-  if type(item.a) == 'table' then
-    for k, v in pairs(item.a) do redis.call('SADD', attr_key(base, k, v), m) end
-  end
-  if has_group(item) then redis.call('SADD', base .. 'fg:' .. item.g, m) end
-  return added
+  return index_all(base, { item })
 end
 
 local function decode_items(json)
@@ -122,16 +131,16 @@ end
 -- Drops the holds this reservation still has and returns those items to the free index. An item with
 -- no cache entry was allocated meanwhile (finish drops the entry): it is not free.
 local function free_items(base, rid, items)
-  local n = 0
+  local back = {}
   for _, item in ipairs(items) do
     local hkey = base .. 'h:' .. item.id
     local holder = redis.call('GET', hkey)
     if holder == rid then redis.call('DEL', hkey) end
     if (holder == rid or not holder) and redis.call('HEXISTS', item_key(base, item.id), item.id) == 1 then
-      n = n + index(base, item)
+      back[#back + 1] = item
     end
   end
-  return n
+  return index_all(base, back)
 end
 
 -- A reservation's fields by name, read in one call (a field it lacks is false), or nil if there is none.

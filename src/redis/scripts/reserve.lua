@@ -35,22 +35,24 @@ local generation = redis.call('GET', base .. 'gen')
 if not generation then return { 'exhausted' } end
 
 local free = base .. 'free'
+local hold_ms = ttl + grace
 local chosen, seen = {}, {}
 
--- Takes a candidate member out of the free index if it is still free and unheld; repairs the index if not.
--- `source` is the set the candidate came from, cleaned as well when the candidate is stale.
+-- Holds a candidate member and takes it out of the free index if it is still free and unheld (the hold's
+-- SET NX is the check); repairs the index if not. `source` is the set the candidate came from, cleaned as
+-- well when the candidate is stale.
 local function consider(m, source)
   if seen[m] or #chosen >= count then return end
   seen[m] = true
   local id = id_of(m)
   local json = item_get(base, id)
-  if not json or redis.call('EXISTS', base .. 'h:' .. id) == 1 then
-    -- An index entry without a free item behind it: drop it.
+  local item = json and cjson.decode(json)
+  if not item or not redis.call('SET', base .. 'h:' .. id, rid, 'PX', hold_ms, 'NX') then
+    -- An index entry without a free, unheld item behind it: drop it.
     redis.call('ZREM', free, m)
     if source then redis.call('SREM', source, m) end
     return
   end
-  local item = cjson.decode(json)
   unindex(base, item)
   chosen[#chosen + 1] = { json = json, item = item }
 end
@@ -97,24 +99,25 @@ else
   end
 end
 
-if #chosen < count then
-  for _, c in ipairs(chosen) do index(base, c.item) end
-  return { 'exhausted' }
-end
-
 local items, jsons = {}, {}
 for i, c in ipairs(chosen) do
-  redis.call('SET', base .. 'h:' .. c.item.id, rid, 'PX', ttl + grace)
   items[i] = c.item
   jsons[i] = c.json
+end
+
+if #chosen < count then
+  -- All or nothing: give back what was taken.
+  for _, item in ipairs(items) do redis.call('DEL', base .. 'h:' .. item.id) end
+  index_all(base, items)
+  return { 'exhausted' }
 end
 
 local rkey = base .. 'r:' .. rid
 local r = { o = owner, k = kind, s = 'held', i = '[' .. table.concat(jsons, ',') .. ']', c = tostring(now),
   e = tostring(now + ttl), cnt = '1', g = generation }
 redis.call('HSET', rkey, 'o', r.o, 'k', r.k, 's', r.s, 'i', r.i, 'c', r.c, 'e', r.e, 'cnt', r.cnt, 'g', r.g)
-redis.call('PEXPIRE', rkey, ttl + grace + retention)
-redis.call('ZADD', base .. 'exp', now + ttl + grace, rid)
+redis.call('PEXPIRE', rkey, hold_ms + retention)
+redis.call('ZADD', base .. 'exp', now + hold_ms, rid)
 count_items(base, owner, kind, items, 1)
 if idem_key ~= '' then
   redis.call('SET', base .. 'idem:' .. idem_key, rid .. '\n' .. body_hash, 'PX', idem_ttl)
