@@ -1,6 +1,6 @@
 import type { Redis } from 'ioredis';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
-import { poolKeys } from '../../src/redis/keys.js';
+import { freeMember, poolKeys } from '../../src/redis/keys.js';
 import { REDIS } from '../../src/redis/redis.client.js';
 import { TestInstance, TestWorld, eventually, numbers, seedPool, sleep } from '../support/harness.js';
 
@@ -67,6 +67,35 @@ describe('reservations', () => {
     const all = await reserve('all-or-none', { owner: 'b', count: 3 });
     expect(all.status).toBe(201);
     expect(all.body.items.map((i: { value: string }) => i.value).sort()).toEqual(['13800000001', '13800000002', '13900000003']);
+  });
+
+  it('an index entry that does not match its item (a value or attribute it lacks) is dropped when met twice, so the reserve ends', async () => {
+    await seedPool(api, 'skewed', [{ value: '13800000001', attributes: { city: 'sh' } }]);
+    const redis = api.app.get<Redis>(REDIS);
+    const keys = poolKeys(world.prefix, 'skewed');
+    const [member] = await redis.zrange(keys.free, 0, -1);
+    const id = member.slice(member.indexOf('\0') + 1);
+    const wrongValue = freeMember('13899999999', id);
+    const wrongCity = `${keys.base}fa:city\0bj`;
+    // Each skew is met by one way of picking: random picks, value-prefix pages, an attribute set's picks.
+    const cases = [
+      { skew: () => redis.multi().zrem(keys.free, member).zadd(keys.free, 0, wrongValue).exec(), filter: undefined },
+      { skew: () => redis.multi().zrem(keys.free, member).zadd(keys.free, 0, wrongValue).exec(), filter: { valuePrefix: '1389' } },
+      { skew: () => redis.sadd(wrongCity, member), filter: { attributes: { city: 'bj' } } },
+    ];
+    for (const { skew, filter } of cases) {
+      await skew();
+      const r = await reserve('skewed', { owner: 'a', count: 2, ...(filter && { filter }) });
+      expect(r.status).toBe(409);
+      expect(r.body.error.code).toBe('POOL_EXHAUSTED');
+      // The wrong entry is gone and the item is indexed under its own entry again, unheld.
+      expect(await redis.zrange(keys.free, 0, -1)).toEqual([member]);
+      expect(await redis.smembers(wrongCity)).toEqual([]);
+      expect(await redis.exists(keys.hold(id))).toBe(0);
+    }
+    const r = await reserve('skewed', { owner: 'b', count: 1 });
+    expect(r.status).toBe(201);
+    expect(r.body.items[0].value).toBe('13800000001');
   });
 
   it('confirm is idempotent; a different selection afterwards is RESERVATION_CLOSED', async () => {

@@ -42,7 +42,14 @@ local chosen, seen = {}, {}
 -- SET NX is the check); repairs the index if not. `source` is the set the candidate came from, cleaned as
 -- well when the candidate is stale.
 local function consider(m, source)
-  if seen[m] or #chosen >= count then return end
+  if #chosen >= count then return end
+  if seen[m] then
+    -- Considered before and still indexed: an entry that does not match its item's value or attributes
+    -- (unindex removed the item's own entries). Drop it, so that the picking loops below always end.
+    redis.call('ZREM', free, m)
+    if source then redis.call('SREM', source, m) end
+    return
+  end
   seen[m] = true
   local id = id_of(m)
   local json = item_get(base, id)
