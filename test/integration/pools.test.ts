@@ -103,6 +103,10 @@ describe('pools and resources', () => {
       { items: 'nope' },
       { items: [[{ value: 'a' }]] },
       { items: [[]] },
+      // Lone surrogates (JSON's \ud800-style escapes outside a pair), in a value, a group and an attribute.
+      { items: [{ value: 'ok' }, { value: 'a\ud800' }] },
+      { items: [{ value: 'g', groupKey: '\udc00' }] },
+      { items: [{ value: 'y', attributes: { city: '\udbff' } }] },
     ]) {
       const answer = await api.post('/v1/pools/import-bad/resources', body);
       expect(answer.status).toBe(400);

@@ -353,6 +353,10 @@ describe('reservations', () => {
       [{ owner: 'u', filter: [] }, 'filter'],
       [{ owner: 'u', filter: [{ attributes: { city: 'bj' } }] }, 'filter'],
       [{ owner: 'u', surprise: true }, 'surprise'],
+      // A lone surrogate (JSON's \ud800 escape) is not text Postgres or Redis' Lua JSON can take as sent.
+      [{ owner: 'u', filter: { attributes: { city: '\ud800' } } }, 'filter.attributes.city'],
+      [{ owner: 'u', filter: { attributes: { ['\udc00']: 'bj' } } }, 'filter.attributes'],
+      [{ owner: 'u\ud800', filter: { valuePrefix: '\udfff' } }, 'filter.valuePrefix'],
     ];
     for (const [body, field] of cases) {
       const answer = await reserve('strict', body);
