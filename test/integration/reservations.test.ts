@@ -69,7 +69,7 @@ describe('reservations', () => {
     expect(all.body.items.map((i: { value: string }) => i.value).sort()).toEqual(['13800000001', '13800000002', '13900000003']);
   });
 
-  it('an index entry that does not match its item (a value or attribute it lacks) is dropped when met twice, so the reserve ends', async () => {
+  it('an index entry that does not match its item (a value or attribute it lacks) is never handed out: it is dropped and the reserve ends', async () => {
     await seedPool(api, 'skewed', [{ value: '13800000001', attributes: { city: 'sh' } }]);
     const redis = api.app.get<Redis>(REDIS);
     const keys = poolKeys(world.prefix, 'skewed');
@@ -77,16 +77,18 @@ describe('reservations', () => {
     const id = member.slice(member.indexOf('\0') + 1);
     const wrongValue = freeMember('13899999999', id);
     const wrongCity = `${keys.base}fa:city\0bj`;
-    // Each skew is met by one way of picking: random picks, value-prefix pages, an attribute set's picks.
+    const swapEntry = () => redis.multi().zrem(keys.free, member).zadd(keys.free, 0, wrongValue).exec();
+    // Each skew is met by one way of picking: random picks, value-prefix pages, an attribute set's picks. The
+    // item matches neither the prefix nor the attribute its wrong entries claim, so even 1 of it is not there.
     const cases = [
-      { skew: () => redis.multi().zrem(keys.free, member).zadd(keys.free, 0, wrongValue).exec(), filter: undefined },
-      { skew: () => redis.multi().zrem(keys.free, member).zadd(keys.free, 0, wrongValue).exec(), filter: { valuePrefix: '1389' } },
-      { skew: () => redis.sadd(wrongCity, member), filter: { attributes: { city: 'bj' } } },
+      { skew: swapEntry, count: 2, filter: undefined },
+      { skew: swapEntry, count: 1, filter: { valuePrefix: '1389' } },
+      { skew: () => redis.sadd(wrongCity, member), count: 1, filter: { attributes: { city: 'bj' } } },
     ];
-    for (const { skew, filter } of cases) {
+    for (const { skew, count, filter } of cases) {
       await skew();
-      const r = await reserve('skewed', { owner: 'a', count: 2, ...(filter && { filter }) });
-      expect(r.status).toBe(409);
+      const r = await reserve('skewed', { owner: 'a', count, ...(filter && { filter }) });
+      expect(r.status, JSON.stringify(filter)).toBe(409);
       expect(r.body.error.code).toBe('POOL_EXHAUSTED');
       // The wrong entry is gone and the item is indexed under its own entry again, unheld.
       expect(await redis.zrange(keys.free, 0, -1)).toEqual([member]);
@@ -318,6 +320,42 @@ describe('reservations', () => {
     expect(none.status).toBe(409);
     expect(none.body.error.code).toBe('POOL_EXHAUSTED');
     expect(await stats('filters')).toMatchObject({ free: 1, held: 3 });
+  });
+
+  it('filters with several conditions find the few matches among hundreds of candidates, by attribute set or by value range', async () => {
+    const upTo = (n: number) => Array.from({ length: n }, (_, i) => i);
+    // Two attribute sets of about 200 items each that share 3 (the script walks the smaller in pages and
+    // checks the other one member by member).
+    await seedPool(
+      api,
+      'walk-sets',
+      upTo(400).map((i) => ({
+        value: `1380${String(i).padStart(7, '0')}`,
+        attributes: { ...(i < 200 && { a: 'x' }), ...(i >= 197 && { b: 'y' }) },
+      })),
+    );
+    const sets = await reserve('walk-sets', { owner: 'o', count: 3, filter: { attributes: { a: 'x', b: 'y' } } });
+    expect(sets.status).toBe(201);
+    const numbered = sets.body.items.map((item: { value: string }) => Number(item.value.slice(4)));
+    expect(numbered.sort((x: number, y: number) => x - y)).toEqual([197, 198, 199]);
+    expect((await reserve('walk-sets', { owner: 'o', count: 1, filter: { attributes: { a: 'x', b: 'y' } } })).body.error.code).toBe(
+      'POOL_EXHAUSTED',
+    );
+
+    // A value prefix matching 150 items, of which only the last 3 by value have the attribute, which 253 items
+    // have (the script walks the prefix's range, the smaller, past its first page).
+    const value = (i: number) => `${i < 150 ? '139' : '138'}${String(i).padStart(8, '0')}`;
+    await seedPool(
+      api,
+      'walk-range',
+      upTo(400).map((i) => ({ value: value(i), attributes: i < 147 ? { c: 'other' } : { c: 'z' } })),
+    );
+    const filter = { attributes: { c: 'z' }, valuePrefix: '139' };
+    const range = await reserve('walk-range', { owner: 'o', count: 3, filter });
+    expect(range.status).toBe(201);
+    expect(range.body.items.map((item: { value: string }) => item.value).sort()).toEqual([147, 148, 149].map(value));
+    expect((await reserve('walk-range', { owner: 'o', count: 1, filter })).body.error.code).toBe('POOL_EXHAUSTED');
+    expect(await stats('walk-range')).toMatchObject({ free: 397, held: 3 });
   });
 
   it('takes attributes named "constructor" or "toString" as data, on import and in a filter', async () => {

@@ -77,9 +77,9 @@ local function attr_key(base, k, v)
   return base .. 'fa:' .. k .. '\0' .. v
 end
 
--- Removes an item from every free index.
-local function unindex(base, item)
-  local m = member_of(item)
+-- Removes an item from every free index (m: its member, when the caller has it already).
+local function unindex(base, item, m)
+  m = m or member_of(item)
   redis.call('ZREM', base .. 'free', m)
   if type(item.a) == 'table' then
     for k, v in pairs(item.a) do redis.call('SREM', attr_key(base, k, v), m) end

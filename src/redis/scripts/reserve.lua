@@ -36,16 +36,26 @@ if not generation then return { 'exhausted' } end
 
 local free = base .. 'free'
 local hold_ms = ttl + grace
+local want = attr_json ~= '' and cjson.decode(attr_json) or {}
 local chosen, seen = {}, {}
 
--- Holds a candidate member and takes it out of the free index if it is still free and unheld (the hold's
--- SET NX is the check); repairs the index if not. `source` is the set the candidate came from, cleaned as
--- well when the candidate is stale.
+-- True when the item's value starts with the filter's prefix and it has every attribute pair the filter names.
+local function matches(item)
+  if prefix ~= '' and string.sub(item.v, 1, #prefix) ~= prefix then return false end
+  for k, v in pairs(want) do
+    if type(item.a) ~= 'table' or item.a[k] ~= v then return false end
+  end
+  return true
+end
+
+-- Holds a candidate member and takes it out of the free index if it is still free, unheld and what the filter
+-- asks for (the hold's SET NX is the check for "unheld"); repairs the index if not. `source` is the set the
+-- candidate came from, cleaned as well when the candidate is stale.
 local function consider(m, source)
   if #chosen >= count then return end
   if seen[m] then
-    -- Considered before and still indexed: an entry that does not match its item's value or attributes
-    -- (unindex removed the item's own entries). Drop it, so that the picking loops below always end.
+    -- Considered before and still listed where it was found. Every entry considered leaves the index, or the
+    -- sets that list it wrongly, so this is only a safety net: drop it, so that the picking loops always end.
     redis.call('ZREM', free, m)
     if source then redis.call('SREM', source, m) end
     return
@@ -54,20 +64,35 @@ local function consider(m, source)
   local id = id_of(m)
   local json = item_get(base, id)
   local item = json and cjson.decode(json)
-  if not item or not redis.call('SET', base .. 'h:' .. id, rid, 'PX', hold_ms, 'NX') then
+  local own = item and member_of(item) == m
+  if item and not own then
+    -- An entry naming another value than its item's: drop it, and index the item under its own entry if it
+    -- is unheld (a later pick may find it there).
+    redis.call('ZREM', free, m)
+    if source then redis.call('SREM', source, m) end
+    if redis.call('EXISTS', base .. 'h:' .. id) == 0 then index(base, item) end
+    return
+  end
+  if own and not matches(item) then
+    -- Listed in an attribute set whose pair the item does not have: drop it from the sets that are wrong.
+    for k, v in pairs(want) do
+      if type(item.a) ~= 'table' or item.a[k] ~= v then redis.call('SREM', attr_key(base, k, v), m) end
+    end
+    return
+  end
+  if not own or not redis.call('SET', base .. 'h:' .. id, rid, 'PX', hold_ms, 'NX') then
     -- An index entry without a free, unheld item behind it: drop it.
     redis.call('ZREM', free, m)
     if source then redis.call('SREM', source, m) end
     return
   end
-  unindex(base, item)
+  unindex(base, item, m)
   chosen[#chosen + 1] = { json = json, item = item }
 end
 
 if attr_json ~= '' then
-  local attrs = cjson.decode(attr_json)
   local keys = {}
-  for k, v in pairs(attrs) do keys[#keys + 1] = attr_key(base, k, v) end
+  for k, v in pairs(want) do keys[#keys + 1] = attr_key(base, k, v) end
   if #keys == 1 and prefix == '' then
     -- Random picks; stale entries are removed as they are met, so this converges.
     while #chosen < count do
@@ -76,9 +101,52 @@ if attr_json ~= '' then
       for _, m in ipairs(picks) do consider(m, keys[1]) end
     end
   else
-    for _, m in ipairs(redis.call('SINTER', unpack(keys))) do
-      if #chosen >= count then break end
-      if prefix == '' or string.sub(m, 1, #prefix) == prefix then consider(m, keys[1]) end
+    -- Several conditions: walk the smallest of the sets they name, or the prefix's range of the free index, a
+    -- page at a time; check the other conditions member by member; stop once `count` are held. The work is
+    -- what has to be looked at, never a copy of a whole set.
+    local walk, smallest = 0, nil
+    if prefix ~= '' then smallest = redis.call('ZLEXCOUNT', free, '[' .. prefix, '(' .. prefix .. '\255') end
+    for i, key in ipairs(keys) do
+      local n = redis.call('SCARD', key)
+      if not smallest or n < smallest then walk, smallest = i, n end
+    end
+    -- Pages start at a few times what is wanted and double up to 100 members.
+    local page_size = math.min(100, 4 * count)
+    local function next_page_size()
+      local n = page_size
+      page_size = math.min(100, 2 * page_size)
+      return n
+    end
+    local function passes(m)
+      if prefix ~= '' and string.sub(m, 1, #prefix) ~= prefix then return false end
+      for i, key in ipairs(keys) do
+        if i ~= walk and redis.call('SISMEMBER', key, m) == 0 then return false end
+      end
+      return true
+    end
+    if walk == 0 then
+      -- By value, from the prefix on; the next page starts after the last member read (members taken or
+      -- dropped meanwhile do not shift it).
+      local from, to = '[' .. prefix, '(' .. prefix .. '\255'
+      while #chosen < count do
+        local page = redis.call('ZRANGEBYLEX', free, from, to, 'LIMIT', 0, next_page_size())
+        if #page == 0 then break end
+        for _, m in ipairs(page) do
+          if #chosen >= count then break end
+          if passes(m) then consider(m, keys[1]) end
+        end
+        from = '(' .. page[#page]
+      end
+    else
+      local cursor = '0'
+      repeat
+        local scan = redis.call('SSCAN', keys[walk], cursor, 'COUNT', next_page_size())
+        cursor = scan[1]
+        for _, m in ipairs(scan[2]) do
+          if #chosen >= count then break end
+          if passes(m) then consider(m, keys[walk]) end
+        end
+      until cursor == '0' or #chosen >= count
     end
   end
 elseif prefix ~= '' then
