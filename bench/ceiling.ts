@@ -23,7 +23,7 @@ import pg from 'pg';
 import { AppConfig } from '../src/config/app-config.js';
 import { Batcher } from '../src/database/batcher.js';
 import { MAX_BATCHES_IN_FLIGHT, MAX_COMMITS_PER_BATCH } from '../src/database/commit-batches.js';
-import { MAX_BATCHES_PER_TICK, SWEEP_BATCH } from '../src/sweeper/sweep-limits.js';
+import { MAX_BATCHES_PER_TICK, SWEEP_BATCH, SWEEP_WORK_BUDGET } from '../src/sweeper/sweep-limits.js';
 
 const [mode, portArg, url, arg, maxIdArg] = process.argv.slice(2);
 const app = Fastify({ logger: false });
@@ -31,10 +31,10 @@ const app = Fastify({ logger: false });
 /** respool's defaults: both Redis servers here sweep every SWEEP_INTERVAL_MS; the ceiling's holds also get HOLD_GRACE_MS. */
 const defaults = new AppConfig();
 
-/** respool's sweeper, as respool runs it: batches until nothing is due, every SWEEP_INTERVAL_MS. */
-function sweepLikeRespool(sweepBatch: () => Promise<number>): void {
+/** respool's sweeper, as respool runs it: batches while more may be due, every SWEEP_INTERVAL_MS. */
+function sweepLikeRespool(sweepBatch: () => Promise<boolean>): void {
   const tick = async () => {
-    for (let i = 0; i < MAX_BATCHES_PER_TICK; i++) if ((await sweepBatch()) < SWEEP_BATCH) break;
+    for (let i = 0; i < MAX_BATCHES_PER_TICK; i++) if (!(await sweepBatch())) break;
   };
   setInterval(() => void tick().catch(() => undefined), defaults.SWEEP_INTERVAL_MS).unref();
 }
@@ -47,7 +47,7 @@ if (mode === 'ceiling') {
   redis.defineCommand('rp_sweep', { numberOfKeys: 1, lua: `${lib}\n${readFileSync(new URL('sweep.lua', scripts), 'utf8')}` });
   const base = `${arg}{ceiling}:`;
   const call = redis as unknown as Record<string, (...args: unknown[]) => Promise<string[]>>;
-  sweepLikeRespool(async () => Number((await call.rp_sweep(`${base}free`, base, SWEEP_BATCH, 60_000, 15_000))[0]));
+  sweepLikeRespool(async () => Number((await call.rp_sweep(`${base}free`, base, SWEEP_BATCH, 60_000, 15_000, SWEEP_WORK_BUDGET))[2]) === 1);
   app.post('/reserve', async (_req, reply) => {
     const r = await call.rp_reserve(
       `${base}free`,
@@ -141,7 +141,7 @@ end
 return #due`,
   });
   const call = redis as unknown as Record<string, (...args: unknown[]) => Promise<unknown>>;
-  sweepLikeRespool(async () => Number(await call.minimal_sweep(base, SWEEP_BATCH)));
+  sweepLikeRespool(async () => Number(await call.minimal_sweep(base, SWEEP_BATCH)) === SWEEP_BATCH);
   // Group commit with respool's Batcher and its limits: the commits that arrive while batches are in
   // flight share one statement, the version-checked UPDATE of every item and its history row, in one
   // transaction. A commit lands if all of its items did.

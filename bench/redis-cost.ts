@@ -32,6 +32,7 @@ import { poolKeys } from '../src/redis/keys.js';
 import { deleteKeys } from '../test/support/services.js';
 import type { CachedItem } from '../src/redis/hold-store.repository.js';
 import { AppConfig } from '../src/config/app-config.js';
+import { SWEEP_BATCH, SWEEP_WORK_BUDGET } from '../src/sweeper/sweep-limits.js';
 
 const args = process.argv.slice(2);
 const baselineAt = args.indexOf('--baseline');
@@ -166,7 +167,7 @@ for i = 1, ops do
     finish_body({ base, rid, item.id, '{}', '60000', '60000', item.v .. '\\0' .. item.id, tostring(item.n + 1) })
   else
     reserve(rid, '3', '1', '0')
-    if i % 100 == 0 then sweep_body({ base, '100', '60000', '15000' }) end
+    if i % 100 == 0 then sweep_body({ base, '${SWEEP_BATCH}', '60000', '15000', '${SWEEP_WORK_BUDGET}' }) end
   end
 end
 local t1 = redis.call('TIME')

@@ -82,6 +82,8 @@ export interface AllocatedItem {
 export interface SweepResult {
   expiredReservations: number;
   freedItems: number;
+  /** The batch was full or ended at its work budget: more may be due now. */
+  more: boolean;
   stalled: string[];
 }
 
@@ -256,12 +258,13 @@ export class HoldStore implements OnApplicationShutdown {
     return { status: reply[0] as 'expired' | 'closed' | 'missing' };
   }
 
-  async sweep(pool: string, batch: number, recheckMs: number): Promise<SweepResult> {
-    const reply = await this.run<(number | string)[]>('sweep', pool, batch, this.retentionMs, recheckMs);
+  async sweep(pool: string, batch: number, recheckMs: number, workBudget: number): Promise<SweepResult> {
+    const reply = await this.run<(number | string)[]>('sweep', pool, batch, this.retentionMs, recheckMs, workBudget);
     return {
       expiredReservations: Number(reply[0]),
       freedItems: Number(reply[1]),
-      stalled: reply.slice(2).map(String),
+      more: Number(reply[2]) === 1,
+      stalled: reply.slice(3).map(String),
     };
   }
 

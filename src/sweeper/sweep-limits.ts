@@ -6,4 +6,11 @@
  * capacity where it was (20,000 reservations a pool a tick, 80,000/s at the default 250 ms interval).
  */
 export const SWEEP_BATCH = 100;
+/**
+ * A batch also ends once the items it freed took this many index writes (one per item, one per attribute,
+ * one for a group): a reservation may hold 100 items of 32 attributes each, 3,300 writes, so 100 such
+ * reservations in one call would hold Redis for a second or more. Batches of plain 3-item reservations
+ * (300 writes) never reach it.
+ */
+export const SWEEP_WORK_BUDGET = 2_000;
 export const MAX_BATCHES_PER_TICK = 200;

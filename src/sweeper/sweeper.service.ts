@@ -7,7 +7,7 @@ import { PoolCatalog } from '../pools/pool-catalog.service.js';
 import { HoldStore } from '../redis/hold-store.repository.js';
 import { CommitService } from '../reservations/commit.service.js';
 import { RebuildService } from './rebuild.service.js';
-import { MAX_BATCHES_PER_TICK, SWEEP_BATCH } from './sweep-limits.js';
+import { MAX_BATCHES_PER_TICK, SWEEP_BATCH, SWEEP_WORK_BUDGET } from './sweep-limits.js';
 
 const POOL_LIST_REFRESH_MS = 2000;
 const WIPE_CHECK_MIN_GAP_MS = 500;
@@ -73,13 +73,13 @@ export class SweeperService implements OnApplicationBootstrap, OnModuleDestroy {
       try {
         // Batches until the pool has nothing due (bounded), so expiry keeps up with any reserve rate.
         for (let batch = 0; batch < MAX_BATCHES_PER_TICK; batch++) {
-          const swept = await this.holds.sweep(pool.name, SWEEP_BATCH, this.config.COMMIT_WINDOW_MS);
+          const swept = await this.holds.sweep(pool.name, SWEEP_BATCH, this.config.COMMIT_WINDOW_MS, SWEEP_WORK_BUDGET);
           if (swept.expiredReservations > 0) {
             this.metrics.expiredHolds.inc({ pool: pool.name }, swept.expiredReservations);
             this.logger.debug(`${pool.name}: ${swept.expiredReservations} expired holds, ${swept.freedItems} items freed`);
           }
           for (const rid of swept.stalled) stalled.push({ pool, rid });
-          if (swept.expiredReservations + swept.stalled.length < SWEEP_BATCH) break;
+          if (!swept.more) break;
         }
       } catch (err) {
         this.warn(`sweep of ${pool.name}`, err);

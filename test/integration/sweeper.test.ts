@@ -1,6 +1,7 @@
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { HoldStore } from '../../src/redis/hold-store.repository.js';
 import { SweeperService } from '../../src/sweeper/sweeper.service.js';
-import { SWEEP_BATCH } from '../../src/sweeper/sweep-limits.js';
+import { SWEEP_BATCH, SWEEP_WORK_BUDGET } from '../../src/sweeper/sweep-limits.js';
 import { TestInstance, TestWorld, numbers, seedPool, sleep } from '../support/harness.js';
 
 describe('sweeper', () => {
@@ -31,5 +32,32 @@ describe('sweeper', () => {
 
     expect(await stats()).toEqual({ total: n, free: n, held: 0, allocated: 0 });
     expect((await api.get('/metrics')).body).toContain(`respool_expired_holds_total{pool="bulk"} ${n}`);
+  });
+
+  // Items of 4 attributes: freeing one takes 5 index writes.
+  const attributed = (n: number) => numbers(n).map((value) => ({ value, attributes: { a: '1', b: '2', c: '3', d: '4' } }));
+  const holdAndExpire = async (pool: string, reservations: number, count: number) => {
+    for (let i = 0; i < reservations; i++) {
+      expect((await api.post(`/v1/pools/${pool}/reservations`, { owner: 'o', count, ttlMs: 1000 })).status).toBe(201);
+    }
+    await sleep(1200 + api.config.HOLD_GRACE_MS);
+  };
+
+  it('a sweep call ends at its work budget and says more is due', async () => {
+    await seedPool(api, 'budget', attributed(12));
+    await holdAndExpire('budget', 4, 3); // 15 index writes a reservation
+    const holds = api.app.get(HoldStore);
+    const first = await holds.sweep('budget', SWEEP_BATCH, 15_000, 20);
+    expect(first).toMatchObject({ expiredReservations: 2, freedItems: 6, more: true });
+    const second = await holds.sweep('budget', SWEEP_BATCH, 15_000, 20);
+    expect(second).toMatchObject({ expiredReservations: 2, freedItems: 6, more: false });
+  });
+
+  it('one tick goes on past batches cut short by the work budget', async () => {
+    const reservations = Math.ceil((SWEEP_WORK_BUDGET * 1.5) / (20 * 5)); // 20 items of 5 writes each
+    await seedPool(api, 'heavy', attributed(reservations * 20));
+    await holdAndExpire('heavy', reservations, 20);
+    await api.app.get(SweeperService).tick();
+    expect((await api.get('/v1/pools/heavy')).body.stats).toMatchObject({ free: reservations * 20, held: 0 });
   });
 });

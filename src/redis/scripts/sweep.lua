@@ -2,14 +2,35 @@
 -- instance may run it without a lock. Reservations whose commit pin ran out (the instance confirming
 -- them died or stalled), and expired ones that ever started a commit, are handed back to the caller,
 -- which asks Postgres what happened.
--- ARGV: 1 base, 2 batch size, 3 retention ms, 4 recheck ms (when to look again at a stalled commit)
--- Returns: {reservations expired, items freed, stalled rid...}
+-- ARGV: 1 base, 2 batch size (reservations), 3 retention ms, 4 recheck ms (when to look again at a stalled
+--       commit), 5 work budget: the batch ends early once the items freed so far needed this many index
+--       writes (one per item, attribute and group), so that one call stays short whatever the reservations hold
+-- Returns: {reservations expired, items freed, 1 if more may be due now (else 0), stalled rid...}
 local base, batch, retention, recheck = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+local budget = tonumber(ARGV[5])
 local now = now_ms()
 local exp = base .. 'exp'
 local due = redis.call('ZRANGEBYSCORE', exp, '-inf', now, 'LIMIT', 0, batch)
-local expired, freed, reply = 0, 0, { 0, 0 }
+local expired, freed, work, reply = 0, 0, 0, { 0, 0, #due == batch and 1 or 0 }
+
+-- The index writes that freeing these items takes.
+local function writes(items)
+  local n = 0
+  for _, item in ipairs(items) do
+    n = n + 1
+    if type(item.a) == 'table' then
+      for _ in pairs(item.a) do n = n + 1 end
+    end
+    if has_group(item) then n = n + 1 end
+  end
+  return n
+end
+
 for _, rid in ipairs(due) do
+  if work >= budget then
+    reply[3] = 1
+    break
+  end
   local rkey = base .. 'r:' .. rid
   local r = read_reservation(rkey) or {}
   if r.s == 'confirming' or (r.s == 'held' and r.ep) then
@@ -17,6 +38,7 @@ for _, rid in ipairs(due) do
     reply[#reply + 1] = rid
   elseif r.s == 'held' then
     local items = decode_items(r.i)
+    work = work + writes(items)
     freed = freed + free_items(base, rid, items)
     redis.call('HSET', rkey, unpack(uncount_into(base, r, items, { 's', 'expired' })))
     redis.call('PEXPIRE', rkey, retention)
