@@ -17,21 +17,27 @@ export function flattenValidationErrors(errors: ValidationError[], parent = ''):
   return out;
 }
 
-/** A lone UTF-16 surrogate: a string holding one is not well-formed Unicode. */
-const LONE_SURROGATE = /\p{Surrogate}/u;
-const NOT_WELL_FORMED = 'must be well-formed Unicode text (JSON escapes \\ud800-\\udfff only as a surrogate pair)';
-
 /**
- * The strings of a request, keys included, that hold a lone surrogate. JSON's `\uD800`-style escapes can
- * write one; Postgres' text, Redis' Lua JSON and UTF-8 cannot hold it as sent. Fields as `a.b.0.c`.
+ * Why a string cannot be stored as sent, or null: Postgres' text holds no NUL character, and a lone UTF-16
+ * surrogate (which JSON's `\uD800`-style escapes can write) is not Unicode text that Postgres, UTF-8 or
+ * Redis' Lua JSON can take.
  */
+function unstorable(text: string): string | null {
+  if (text.includes('\0')) return 'must not contain the NUL character (\\u0000)';
+  if (/\p{Surrogate}/u.test(text)) return 'must be well-formed Unicode text (JSON escapes \\ud800-\\udfff only as a surrogate pair)';
+  return null;
+}
+
+/** The strings of a request, keys included, that cannot be stored as sent (see unstorable). Fields as `a.b.0.c`. */
 export function malformedStrings(value: unknown, field = '', out: FieldError[] = []): FieldError[] {
   if (typeof value === 'string') {
-    if (LONE_SURROGATE.test(value)) out.push({ field, reason: NOT_WELL_FORMED });
+    const reason = unstorable(value);
+    if (reason) out.push({ field, reason });
   } else if (value !== null && typeof value === 'object') {
     for (const [key, inner] of Object.entries(value)) {
       const path = field ? `${field}.${key}` : key;
-      if (LONE_SURROGATE.test(key)) out.push({ field: field || key, reason: `keys ${NOT_WELL_FORMED}` });
+      const reason = unstorable(key);
+      if (reason) out.push({ field: field || key, reason: `keys ${reason}` });
       malformedStrings(inner, path, out);
     }
   }
@@ -46,7 +52,7 @@ const UNVALIDATED = new Set<unknown>([String, Number, Boolean, Array, Object]);
  * ValidationPipe does the same work through promises and several extra passes over the value, which
  * the profile showed at a sixth of a confirm's CPU time. Unknown fields are refused, like everything
  * else that fails, with 400 VALIDATION_FAILED and `details.fields`, and so are strings (keys included) that
- * are not well-formed Unicode.
+ * cannot be stored as sent: holding a NUL character or a lone surrogate.
  *
  * A valid value takes the DTO's compiled form (`compiled-dto.ts`): class-transformer's and
  * class-validator's general machinery was still 15 % of a reserve's CPU time and 40 % of the memory

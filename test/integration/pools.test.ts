@@ -107,6 +107,9 @@ describe('pools and resources', () => {
       { items: [{ value: 'ok' }, { value: 'a\ud800' }] },
       { items: [{ value: 'g', groupKey: '\udc00' }] },
       { items: [{ value: 'y', attributes: { city: '\udbff' } }] },
+      // NUL, which Postgres' text cannot hold.
+      { items: [{ value: 'a\0b' }] },
+      { items: [{ value: 'g', groupKey: 'x\0' }] },
     ]) {
       const answer = await api.post('/v1/pools/import-bad/resources', body);
       expect(answer.status).toBe(400);

@@ -101,6 +101,10 @@ describe('review tasks', () => {
     expect(wrongKind.body.error.code).toBe('VALIDATION_FAILED');
     expect((await a.post('/v1/pools/review/tasks/next', {})).status).toBe(400);
     expect((await a.post('/v1/pools/review/tasks/next', { reviewer: 'r', leaseMs: 10 })).status).toBe(400);
+    // NUL, which Postgres' text cannot hold: the lease would be taken and its completion fail.
+    const nul = await next(a, 'review', 'r\0');
+    expect(nul.status).toBe(400);
+    expect(nul.body.error.details.fields.map((f: { field: string }) => f.field)).toEqual(['reviewer']);
     expect((await a.post('/v1/pools/missing/tasks/next', { reviewer: 'r' })).body.error.code).toBe('POOL_NOT_FOUND');
     const unknown = 'review.3f1c2a9e-5b7d-4e8f-9a0b-1c2d3e4f5a6b';
     for (const path of ['heartbeat', 'complete', 'abandon']) {
