@@ -98,7 +98,10 @@ export class AppConfig {
   @Max(30 * 86_400_000)
   RESERVATION_RETENTION_MS = 86_400_000;
 
-  /** How long an Idempotency-Key is remembered. */
+  /**
+   * How long an Idempotency-Key is remembered. At most RESERVATION_RETENTION_MS: a retry must find the
+   * reservation the key names, or it would make a second one.
+   */
   @Transform(toInt)
   @IsInt()
   @Min(1000)
@@ -152,10 +155,17 @@ export function loadConfig(env: Record<string, string | undefined>): AppConfig {
   }
   const config = plainToInstance(AppConfig, given);
   const errors = validateSync(config, { whitelist: true, forbidUnknownValues: true });
-  if (errors.length > 0) {
-    throw new ConfigError(
-      errors.map((e) => `${e.property}=${JSON.stringify(env[e.property])}: ${Object.values(e.constraints ?? {}).join('; ')}`),
+  const problems = errors.map((e) => `${e.property}=${JSON.stringify(env[e.property])}: ${Object.values(e.constraints ?? {}).join('; ')}`);
+  const bad = new Set(errors.map((e) => e.property));
+  if (
+    !bad.has('IDEMPOTENCY_TTL_MS') &&
+    !bad.has('RESERVATION_RETENTION_MS') &&
+    config.IDEMPOTENCY_TTL_MS > config.RESERVATION_RETENTION_MS
+  ) {
+    problems.push(
+      `IDEMPOTENCY_TTL_MS=${JSON.stringify(String(config.IDEMPOTENCY_TTL_MS))}: must not exceed RESERVATION_RETENTION_MS (${config.RESERVATION_RETENTION_MS}): a retry after the reservation's record is gone would make a second reservation`,
     );
   }
+  if (problems.length > 0) throw new ConfigError(problems);
   return config;
 }

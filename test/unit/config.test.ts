@@ -29,4 +29,11 @@ describe('loadConfig', () => {
     expect(problems).toEqual(['DATABASE_URL', 'LOG_LEVEL', 'PORT', 'REDIS_URL']);
     expect((error as ConfigError).message).toContain('PORT="eighty"');
   });
+
+  it('refuses an idempotency TTL longer than the reservations are kept', () => {
+    expect(() => loadConfig({ IDEMPOTENCY_TTL_MS: '7200000', RESERVATION_RETENTION_MS: '3600000' })).toThrow(
+      /IDEMPOTENCY_TTL_MS="7200000": must not exceed RESERVATION_RETENTION_MS \(3600000\)/,
+    );
+    expect(loadConfig({ IDEMPOTENCY_TTL_MS: '3600000', RESERVATION_RETENTION_MS: '3600000' }).IDEMPOTENCY_TTL_MS).toBe(3_600_000);
+  });
 });
