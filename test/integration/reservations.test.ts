@@ -322,10 +322,10 @@ describe('reservations', () => {
     expect(await stats('filters')).toMatchObject({ free: 1, held: 3 });
   });
 
-  it('filters with several conditions find the few matches among hundreds of candidates, by attribute set or by value range', async () => {
+  it('filters with several conditions find their matches among hundreds of candidates: by intersection, attribute set or value range', async () => {
     const upTo = (n: number) => Array.from({ length: n }, (_, i) => i);
-    // Two attribute sets of about 200 items each that share 3 (the script walks the smaller in pages and
-    // checks the other one member by member).
+    // Two attribute sets of about 200 items each that share 3: Redis counts the intersection, and the script
+    // reads it whole.
     await seedPool(
       api,
       'walk-sets',
@@ -339,6 +339,27 @@ describe('reservations', () => {
     const numbered = sets.body.items.map((item: { value: string }) => Number(item.value.slice(4)));
     expect(numbered.sort((x: number, y: number) => x - y)).toEqual([197, 198, 199]);
     expect((await reserve('walk-sets', { owner: 'o', count: 1, filter: { attributes: { a: 'x', b: 'y' } } })).body.error.code).toBe(
+      'POOL_EXHAUSTED',
+    );
+
+    // Two attribute sets of 800 and 600 items sharing 300, more than the script reads whole: it walks the
+    // smaller set. Three reserves of 100 take exactly the 300; a fourth finds none.
+    await seedPool(
+      api,
+      'walk-dense',
+      upTo(1100).map((i) => ({
+        value: `1381${String(i).padStart(7, '0')}`,
+        attributes: { ...(i < 800 && { a: 'x' }), ...(i >= 500 && { b: 'y' }) },
+      })),
+    );
+    const taken: number[] = [];
+    for (let i = 0; i < 3; i++) {
+      const dense = await reserve('walk-dense', { owner: 'o', count: 100, filter: { attributes: { a: 'x', b: 'y' } } });
+      expect(dense.status).toBe(201);
+      taken.push(...dense.body.items.map((item: { value: string }) => Number(item.value.slice(4))));
+    }
+    expect(taken.sort((x, y) => x - y)).toEqual(upTo(300).map((i) => 500 + i));
+    expect((await reserve('walk-dense', { owner: 'o', count: 1, filter: { attributes: { a: 'x', b: 'y' } } })).body.error.code).toBe(
       'POOL_EXHAUSTED',
     );
 

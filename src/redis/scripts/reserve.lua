@@ -101,9 +101,19 @@ if attr_json ~= '' then
       for _, m in ipairs(picks) do consider(m, keys[1]) end
     end
   else
-    -- Several conditions: walk the smallest of the sets they name, or the prefix's range of the free index, a
-    -- page at a time; check the other conditions member by member; stop once `count` are held. The work is
-    -- what has to be looked at, never a copy of a whole set.
+    -- Several conditions. With attributes alone, Redis counts their intersection first (in C, stopping at
+    -- INTERSECTION_READ): fewer than `count` is an answer at once (stale entries only add to the count), and an
+    -- intersection smaller than the cap is read whole. Otherwise, and with a prefix: walk the smallest of the
+    -- sets the conditions name, or the prefix's range of the free index, a page at a time; check the other
+    -- conditions member by member; stop once `count` are held. No call copies a whole set.
+    local INTERSECTION_READ = 256
+    local intersection = -1
+    if prefix == '' then
+      local args = { 'SINTERCARD', #keys }
+      for _, key in ipairs(keys) do args[#args + 1] = key end
+      args[#args + 1], args[#args + 2] = 'LIMIT', INTERSECTION_READ
+      intersection = redis.call(unpack(args))
+    end
     local walk, smallest = 0, nil
     if prefix ~= '' then smallest = redis.call('ZLEXCOUNT', free, '[' .. prefix, '(' .. prefix .. '\255') end
     for i, key in ipairs(keys) do
@@ -124,7 +134,14 @@ if attr_json ~= '' then
       end
       return true
     end
-    if walk == 0 then
+    if intersection >= 0 and intersection < INTERSECTION_READ then
+      if intersection >= count then
+        for _, m in ipairs(redis.call('SINTER', unpack(keys))) do
+          if #chosen >= count then break end
+          consider(m, keys[walk])
+        end
+      end
+    elseif walk == 0 then
       -- By value, from the prefix on; the next page starts after the last member read (members taken or
       -- dropped meanwhile do not shift it).
       local from, to = '[' .. prefix, '(' .. prefix .. '\255'
