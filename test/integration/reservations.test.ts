@@ -369,7 +369,7 @@ describe('reservations', () => {
     await seedPool(
       api,
       'walk-range',
-      upTo(400).map((i) => ({ value: value(i), attributes: i < 147 ? { c: 'other' } : { c: 'z' } })),
+      upTo(400).map((i) => ({ value: value(i), attributes: { c: i < 147 ? 'other' : 'z', ...(i >= 140 && i < 160 && { d: 'w' }) } })),
     );
     const filter = { attributes: { c: 'z' }, valuePrefix: '139' };
     const range = await reserve('walk-range', { owner: 'o', count: 3, filter });
@@ -377,6 +377,15 @@ describe('reservations', () => {
     expect(range.body.items.map((item: { value: string }) => item.value).sort()).toEqual([147, 148, 149].map(value));
     expect((await reserve('walk-range', { owner: 'o', count: 1, filter })).body.error.code).toBe('POOL_EXHAUSTED');
     expect(await stats('walk-range')).toMatchObject({ free: 397, held: 3 });
+
+    // An attribute set of 20 against the same 150-item range: the script walks the set and checks the prefix.
+    // 7 of the set are free under the prefix (147-149 are held above): asking 8 takes and gives back 7.
+    const small = { attributes: { d: 'w' }, valuePrefix: '139' };
+    expect((await reserve('walk-range', { owner: 'o', count: 8, filter: small })).body.error.code).toBe('POOL_EXHAUSTED');
+    expect(await stats('walk-range')).toMatchObject({ free: 397, held: 3 });
+    const seven = await reserve('walk-range', { owner: 'o', count: 7, filter: small });
+    expect(seven.status).toBe(201);
+    expect(seven.body.items.map((item: { value: string }) => item.value).sort()).toEqual(upTo(7).map((i) => value(140 + i)));
   });
 
   it('takes attributes named "constructor" or "toString" as data, on import and in a filter', async () => {
