@@ -80,7 +80,7 @@ local function consider(m, source)
     end
     return
   end
-  if not own or not redis.call('SET', base .. 'h:' .. id, rid, 'PX', hold_ms, 'NX') then
+  if not item or not redis.call('SET', base .. 'h:' .. id, rid, 'PX', hold_ms, 'NX') then
     -- An index entry without a free, unheld item behind it: drop it.
     redis.call('ZREM', free, m)
     if source then redis.call('SREM', source, m) end
@@ -114,56 +114,58 @@ if attr_json ~= '' then
       args[#args + 1], args[#args + 2] = 'LIMIT', INTERSECTION_READ
       intersection = redis.call(unpack(args))
     end
-    local walk, smallest = 0, nil
-    if prefix ~= '' then smallest = redis.call('ZLEXCOUNT', free, '[' .. prefix, '(' .. prefix .. '\255') end
-    for i, key in ipairs(keys) do
-      local n = redis.call('SCARD', key)
-      if not smallest or n < smallest then walk, smallest = i, n end
-    end
-    -- Pages start at a few times what is wanted and double up to 100 members.
-    local page_size = math.min(100, 4 * count)
-    local function next_page_size()
-      local n = page_size
-      page_size = math.min(100, 2 * page_size)
-      return n
-    end
-    local function passes(m)
-      if prefix ~= '' and string.sub(m, 1, #prefix) ~= prefix then return false end
-      for i, key in ipairs(keys) do
-        if i ~= walk and redis.call('SISMEMBER', key, m) == 0 then return false end
-      end
-      return true
-    end
     if intersection >= 0 and intersection < INTERSECTION_READ then
       if intersection >= count then
         for _, m in ipairs(redis.call('SINTER', unpack(keys))) do
           if #chosen >= count then break end
-          consider(m, keys[walk])
+          consider(m, keys[1])
         end
-      end
-    elseif walk == 0 then
-      -- By value, from the prefix on; the next page starts after the last member read (members taken or
-      -- dropped meanwhile do not shift it).
-      local from, to = '[' .. prefix, '(' .. prefix .. '\255'
-      while #chosen < count do
-        local page = redis.call('ZRANGEBYLEX', free, from, to, 'LIMIT', 0, next_page_size())
-        if #page == 0 then break end
-        for _, m in ipairs(page) do
-          if #chosen >= count then break end
-          if passes(m) then consider(m, keys[1]) end
-        end
-        from = '(' .. page[#page]
       end
     else
-      local cursor = '0'
-      repeat
-        local scan = redis.call('SSCAN', keys[walk], cursor, 'COUNT', next_page_size())
-        cursor = scan[1]
-        for _, m in ipairs(scan[2]) do
-          if #chosen >= count then break end
-          if passes(m) then consider(m, keys[walk]) end
+      local walk, smallest = 0, nil
+      if prefix ~= '' then smallest = redis.call('ZLEXCOUNT', free, '[' .. prefix, '(' .. prefix .. '\255') end
+      for i, key in ipairs(keys) do
+        local n = redis.call('SCARD', key)
+        if not smallest or n < smallest then walk, smallest = i, n end
+      end
+      -- Pages start at a few times what is wanted and double up to 100 members.
+      local page_size = math.min(100, 4 * count)
+      local function next_page_size()
+        local n = page_size
+        page_size = math.min(100, 2 * page_size)
+        return n
+      end
+      local function passes(m)
+        if prefix ~= '' and string.sub(m, 1, #prefix) ~= prefix then return false end
+        for i, key in ipairs(keys) do
+          if i ~= walk and redis.call('SISMEMBER', key, m) == 0 then return false end
         end
-      until cursor == '0' or #chosen >= count
+        return true
+      end
+      if walk == 0 then
+        -- By value, from the prefix on; the next page starts after the last member read (members taken or
+        -- dropped meanwhile do not shift it).
+        local from, to = '[' .. prefix, '(' .. prefix .. '\255'
+        while #chosen < count do
+          local page = redis.call('ZRANGEBYLEX', free, from, to, 'LIMIT', 0, next_page_size())
+          if #page == 0 then break end
+          for _, m in ipairs(page) do
+            if #chosen >= count then break end
+            if passes(m) then consider(m, keys[1]) end
+          end
+          from = '(' .. page[#page]
+        end
+      else
+        local cursor = '0'
+        repeat
+          local scan = redis.call('SSCAN', keys[walk], cursor, 'COUNT', next_page_size())
+          cursor = scan[1]
+          for _, m in ipairs(scan[2]) do
+            if #chosen >= count then break end
+            if passes(m) then consider(m, keys[walk]) end
+          end
+        until cursor == '0' or #chosen >= count
+      end
     end
   end
 elseif prefix ~= '' then
