@@ -5,6 +5,7 @@ import { RedisGeneration1763900000000 } from '../../migrations/1763900000000-Red
 import { FreeRowsById1764000000000 } from '../../migrations/1764000000000-FreeRowsById.js';
 import { AllocateFunction1764100000000 } from '../../migrations/1764100000000-AllocateFunction.js';
 import { AllocateAllAtOnce1764200000000 } from '../../migrations/1764200000000-AllocateAllAtOnce.js';
+import { AttributesAreStrings1764300000000 } from '../../migrations/1764300000000-AttributesAreStrings.js';
 import { AppConfig } from '../config/app-config.js';
 import { ENTITIES } from './entities.js';
 
@@ -15,6 +16,7 @@ export const MIGRATIONS = [
   FreeRowsById1764000000000,
   AllocateFunction1764100000000,
   AllocateAllAtOnce1764200000000,
+  AttributesAreStrings1764300000000,
 ];
 
 export function dataSourceOptions(config: AppConfig): DataSourceOptions {

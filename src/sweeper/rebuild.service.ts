@@ -5,7 +5,7 @@ import { JobMutexRepository } from '../database/job-mutex.repository.js';
 import { ResourceRepository } from '../database/resource.repository.js';
 import { MetricsService } from '../metrics/metrics.service.js';
 import { PoolCatalog } from '../pools/pool-catalog.service.js';
-import { toCachedItem } from '../pools/pools.service.js';
+import { indexableAttributes, toCachedItem } from '../pools/pools.service.js';
 import { HoldStore, TOMBSTONE_MS } from '../redis/hold-store.repository.js';
 
 const JOB = 'rebuild';
@@ -82,6 +82,18 @@ export class RebuildService {
     }
   }
 
+  /** Rows the scripts cannot index (written outside the API before Postgres refused them) stay out of Redis. */
+  private reportUnindexable(pool: string, rows: readonly { id: string }[]): void {
+    const ids = rows
+      .slice(0, 10)
+      .map((row) => row.id)
+      .join(', ');
+    this.logger.warn(
+      `pool "${pool}": ${rows.length} free row(s) left out of Redis because their attributes are not a flat object ` +
+        `of strings (ids ${ids}${rows.length > 10 ? ', ...' : ''}); fix them in t_resource and the next rebuild adds them`,
+    );
+  }
+
   private async rebuildPool(poolId: string, pool: string, generation: number): Promise<number> {
     let added = 0;
     let after = '0';
@@ -90,7 +102,11 @@ export class RebuildService {
       const rows = await this.resources.freePage(poolId, after, PAGE);
       if (rows.length === 0) return added;
       if (Date.now() - readAt > PAGE_MAX_AGE_MS) continue; // too slow to trust: read the page again
-      added += await this.holds.addFree(pool, generation, rows.map(toCachedItem));
+      const indexable: typeof rows = [];
+      const unindexable: typeof rows = [];
+      for (const row of rows) (indexableAttributes(row.attributes) ? indexable : unindexable).push(row);
+      if (unindexable.length > 0) this.reportUnindexable(pool, unindexable);
+      added += await this.holds.addFree(pool, generation, indexable.map(toCachedItem));
       after = rows[rows.length - 1].id;
     }
   }

@@ -1,4 +1,7 @@
-import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { Logger } from '@nestjs/common';
+import { afterAll, beforeAll, describe, expect, it, vi } from 'vitest';
+import { DataSource } from 'typeorm';
+import { AttributesAreStrings1764300000000 } from '../../migrations/1764300000000-AttributesAreStrings.js';
 import { JobMutexRepository } from '../../src/database/job-mutex.repository.js';
 import { RebuildService } from '../../src/sweeper/rebuild.service.js';
 import { poolKeys } from '../../src/redis/keys.js';
@@ -105,5 +108,73 @@ describe('rebuild of Redis from Postgres, one instance at a time', () => {
     expect((await a.del(`/v1/reservations/${r.body.id}`)).status).toBe(200);
     const again = await a.post('/v1/pools/uncached/reservations', { owner: 'n', count: 1 });
     expect(again.body.items?.[0]?.resourceId).toBe(id);
+  });
+  describe('attributes that are not a flat object of strings', () => {
+    const CONSTRAINT = 't_resource_attributes_strings';
+    const BAD = ['{"n": 1}', '{"n": null}', '{"n": {"m": "x"}}', '{"n": true}', '["x"]', '"x"'];
+    const validated = async () =>
+      (await world.query(`SELECT convalidated FROM pg_constraint WHERE conname = $1`, [CONSTRAINT]))[0]?.convalidated;
+
+    it('are refused by Postgres, whoever writes them', async () => {
+      await seedPool(a, 'attrs-refused', numbers(1));
+      const [{ id: poolId }] = await world.query(`SELECT id FROM t_pool WHERE name = 'attrs-refused'`);
+      expect(await validated()).toBe(true);
+      for (const [i, attributes] of BAD.entries()) {
+        await expect(
+          world.query(`INSERT INTO t_resource (pool_id, value, attributes) VALUES ($1, $2, $3::jsonb)`, [poolId, `bad-${i}`, attributes]),
+        ).rejects.toMatchObject({ code: '23514', constraint: CONSTRAINT });
+      }
+      await world.query(`INSERT INTO t_resource (pool_id, value, attributes) VALUES ($1, 'good', '{"n": "1"}')`, [poolId]);
+      expect(await b.app.get(RebuildService).rebuild('periodic')).toBe(1);
+      expect((await a.get('/v1/pools/attrs-refused')).body.stats.free).toBe(2);
+    });
+
+    it('written before the constraint, leave the migration passing (NOT VALID) and are left out of a rebuild, which adds the rest', async () => {
+      await seedPool(a, 'attrs-legacy', numbers(2));
+      const [{ id: poolId }] = await world.query(`SELECT id FROM t_pool WHERE name = 'attrs-legacy'`);
+      // A database from before the migration, with rows loaded in SQL.
+      await world.query(`ALTER TABLE t_resource DROP CONSTRAINT ${CONSTRAINT}`);
+      for (const [i, attributes] of BAD.entries()) {
+        await world.query(`INSERT INTO t_resource (pool_id, value, attributes) VALUES ($1, $2, $3::jsonb)`, [
+          poolId,
+          `bad-${i}`,
+          attributes,
+        ]);
+      }
+      await world.query(`INSERT INTO t_resource (pool_id, value, attributes) VALUES ($1, 'loaded', '{"city": "bj"}')`, [poolId]);
+      const runner = a.app.get(DataSource).createQueryRunner();
+      try {
+        await runner.startTransaction();
+        await new AttributesAreStrings1764300000000().up(runner);
+        await runner.commitTransaction();
+      } finally {
+        await runner.release();
+      }
+      expect(await validated()).toBe(false); // new rows are still checked
+      await expect(
+        world.query(`INSERT INTO t_resource (pool_id, value, attributes) VALUES ($1, 'later', '{"n": 2}')`, [poolId]),
+      ).rejects.toMatchObject({ code: '23514' });
+
+      // The rebuild adds the loaded row (the two imported ones are there already), skips the six it cannot
+      // index, and names them.
+      const warn = vi.spyOn(Logger.prototype, 'warn');
+      try {
+        expect(await b.app.get(RebuildService).rebuild('periodic')).toBe(1);
+        const badIds = await world.query(`SELECT id FROM t_resource WHERE pool_id = $1 AND value LIKE 'bad-%' ORDER BY id`, [poolId]);
+        const said = warn.mock.calls.map((call) => String(call[0])).filter((m) => m.includes('attrs-legacy'));
+        expect(said).toHaveLength(1);
+        expect(said[0]).toContain(`6 free row(s) left out of Redis`);
+        for (const { id } of badIds) expect(said[0]).toContain(id);
+      } finally {
+        warn.mockRestore();
+      }
+      expect((await a.get('/v1/pools/attrs-legacy')).body.stats.free).toBe(3);
+      const all = await a.post('/v1/pools/attrs-legacy/reservations', { owner: 'o', count: 3 });
+      expect(all.status).toBe(201);
+      expect(all.body.items.map((i: { value: string }) => i.value).sort()).toEqual([...numbers(2), 'loaded'].sort());
+      expect((await a.post('/v1/pools/attrs-legacy/reservations', { owner: 'o', count: 1 })).status).toBe(409);
+      await world.query(`DELETE FROM t_resource WHERE pool_id = $1 AND value LIKE 'bad-%'`, [poolId]);
+      await world.query(`ALTER TABLE t_resource VALIDATE CONSTRAINT ${CONSTRAINT}`);
+    });
   });
 });
