@@ -4,7 +4,7 @@ import type { Redis } from 'ioredis';
 import { AppConfig } from '../config/app-config.js';
 import { isRedisOutage } from '../common/dependency-errors.js';
 import { DomainError } from '../common/errors.js';
-import { freeMember, markerKey, poolKeys } from './keys.js';
+import { freeMember, legacyAttributeSets, markerKey, poolKeys } from './keys.js';
 import { REDIS, REDIS_TIMEOUT_MESSAGE, withTimeout } from './redis.client.js';
 
 /**
@@ -328,6 +328,21 @@ export class HoldStore implements OnApplicationShutdown {
   /** Drops the item cache of key layout 1 (one hash a pool), if an older version left it behind. */
   async dropLegacyItemCache(pool: string): Promise<void> {
     await this.command(() => this.redis.unlink(poolKeys(this.prefix, pool).legacyItems));
+  }
+
+  /**
+   * Drops the attribute SETs of key layout 2 in every pool (key layout 3 indexes attributes in ZSETs under
+   * other names). Walks the whole key space, so the rebuild calls it only after a wipe or an upgrade.
+   */
+  async dropLegacyAttributeSets(): Promise<number> {
+    let dropped = 0;
+    let cursor = '0';
+    do {
+      const [next, keys] = await this.command(() => this.redis.scan(cursor, 'MATCH', legacyAttributeSets(this.prefix), 'COUNT', 1000));
+      cursor = next;
+      if (keys.length > 0) dropped += await this.command(() => this.redis.unlink(...keys));
+    } while (cursor !== '0');
+    return dropped;
   }
 
   async freeCount(pool: string): Promise<number> {

@@ -15,6 +15,8 @@ export const poolKeys = (prefix: string, pool: string) => {
     itemBucket: (resourceId: string) => `${base}item:${resourceId.slice(0, -2) || '0'}`,
     /** Key layout 1's item cache, one hash a pool; dropped when found (see HoldStore.dropLegacyItemCache). */
     legacyItems: `${base}item`,
+    /** The index of the free items whose attribute `key` has this value (a ZSET, see _lib.lua). */
+    attribute: (key: string, value: string) => `${base}fz:${key}\0${value}`,
     expiries: `${base}exp`,
     generation: `${base}gen`,
     hold: (resourceId: string) => `${base}h:${resourceId}`,
@@ -24,9 +26,15 @@ export const poolKeys = (prefix: string, pool: string) => {
 
 /**
  * Version of the key layout below. A new layout renames the marker, so an instance of the new version
- * finds no marker and rebuilds Redis from Postgres as after a wipe (2: item cache in buckets of 100).
+ * finds no marker and rebuilds Redis from Postgres as after a wipe (2: item cache in buckets of 100;
+ * 3: attribute indexes are value-ordered ZSETs, `fz:`, instead of SETs, `fa:`).
  */
-const KEY_LAYOUT = 2;
+const KEY_LAYOUT = 3;
+
+/** A glob for the attribute SETs of key layout 2, in every pool (dropped by HoldStore.dropLegacyAttributeSets). */
+export function legacyAttributeSets(prefix: string): string {
+  return `${prefix}{*}:fa:*`;
+}
 
 /** Present while Redis holds state rebuilt from Postgres; its absence means Redis was wiped. */
 export function markerKey(prefix: string): string {

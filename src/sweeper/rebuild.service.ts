@@ -42,6 +42,8 @@ export class RebuildService {
       // Seen wiped before the job was ours: another instance may have rebuilt since. Bumping the
       // generation again would fence the holds taken on its rebuild.
       if (reason === 'wiped' && (await this.holds.markerPresent())) return 0;
+      // No marker: Redis was wiped, or this version's key layout is new to it (the marker's name changed).
+      if (reason === 'wiped') await this.holds.dropLegacyAttributeSets();
       let added = 0;
       // The marker is written first with a token of this run: if Redis is wiped while we rebuild, the
       // token is gone at the end and the rebuild starts over.

@@ -4,7 +4,8 @@ import { DataSource } from 'typeorm';
 import { AttributesAreStrings1764300000000 } from '../../migrations/1764300000000-AttributesAreStrings.js';
 import { JobMutexRepository } from '../../src/database/job-mutex.repository.js';
 import { RebuildService } from '../../src/sweeper/rebuild.service.js';
-import { poolKeys } from '../../src/redis/keys.js';
+import { markerKey, poolKeys } from '../../src/redis/keys.js';
+import { HoldStore } from '../../src/redis/hold-store.repository.js';
 import { TestInstance, TestWorld, numbers, seedPool } from '../support/harness.js';
 
 describe('rebuild of Redis from Postgres, one instance at a time', () => {
@@ -109,6 +110,40 @@ describe('rebuild of Redis from Postgres, one instance at a time', () => {
     const again = await a.post('/v1/pools/uncached/reservations', { owner: 'n', count: 1 });
     expect(again.body.items?.[0]?.resourceId).toBe(id);
   });
+  it('an upgrade from key layout 2 (attribute SETs) drops those sets and indexes attributes by value again', async () => {
+    await seedPool(a, 'layout2', [
+      { value: '13800000001', attributes: { city: 'bj' } },
+      { value: '13900000002', attributes: { city: 'bj' } },
+      { value: '13800000003', attributes: { city: 'sh' } },
+    ]);
+    const { Redis } = await import('ioredis');
+    const client = new Redis(a.config.REDIS_URL);
+    const keys = poolKeys(world.prefix, 'layout2');
+    const legacy = `${keys.base}fa:city\0bj`;
+    try {
+      // As an instance of the previous version leaves Redis: attributes in SETs, its own marker, no index of ours.
+      const members = await client.zrange(keys.free, 0, -1);
+      await client.sadd(legacy, ...members.filter((m) => !m.startsWith('13800000003')));
+      await client.del(keys.attribute('city', 'bj'), keys.attribute('city', 'sh'), markerKey(world.prefix));
+      // The new version finds no marker of its layout: Redis counts as wiped.
+      expect(await a.app.get(HoldStore).markerPresent()).toBe(false);
+      // The items are in the free index already (its layout did not change); their attribute indexes are rebuilt.
+      expect(await b.app.get(RebuildService).rebuild('wiped')).toBe(0);
+      expect(await client.exists(legacy)).toBe(0);
+      expect(await client.zcard(keys.attribute('city', 'bj'))).toBe(2);
+      expect(await client.zcard(keys.attribute('city', 'sh'))).toBe(1);
+      const r = await a.post('/v1/pools/layout2/reservations', {
+        owner: 'o',
+        count: 1,
+        filter: { attributes: { city: 'bj' }, valuePrefix: '139' },
+      });
+      expect(r.status).toBe(201);
+      expect(r.body.items[0].value).toBe('13900000002');
+    } finally {
+      client.disconnect();
+    }
+  });
+
   describe('attributes that are not a flat object of strings', () => {
     const CONSTRAINT = 't_resource_attributes_strings';
     const BAD = ['{"n": 1}', '{"n": null}', '{"n": {"m": "x"}}', '{"n": true}', '["x"]', '"x"'];

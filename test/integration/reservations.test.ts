@@ -76,14 +76,14 @@ describe('reservations', () => {
     const [member] = await redis.zrange(keys.free, 0, -1);
     const id = member.slice(member.indexOf('\0') + 1);
     const wrongValue = freeMember('13899999999', id);
-    const wrongCity = `${keys.base}fa:city\0bj`;
+    const wrongCity = keys.attribute('city', 'bj');
     const swapEntry = () => redis.multi().zrem(keys.free, member).zadd(keys.free, 0, wrongValue).exec();
     // Each skew is met by one way of picking: random picks, value-prefix pages, an attribute set's picks. The
     // item matches neither the prefix nor the attribute its wrong entries claim, so even 1 of it is not there.
     const cases = [
       { skew: swapEntry, count: 2, filter: undefined },
       { skew: swapEntry, count: 1, filter: { valuePrefix: '1389' } },
-      { skew: () => redis.sadd(wrongCity, member), count: 1, filter: { attributes: { city: 'bj' } } },
+      { skew: () => redis.zadd(wrongCity, 0, member), count: 1, filter: { attributes: { city: 'bj' } } },
     ];
     for (const { skew, count, filter } of cases) {
       await skew();
@@ -92,7 +92,7 @@ describe('reservations', () => {
       expect(r.body.error.code).toBe('POOL_EXHAUSTED');
       // The wrong entry is gone and the item is indexed under its own entry again, unheld.
       expect(await redis.zrange(keys.free, 0, -1)).toEqual([member]);
-      expect(await redis.smembers(wrongCity)).toEqual([]);
+      expect(await redis.zrange(wrongCity, 0, -1)).toEqual([]);
       expect(await redis.exists(keys.hold(id))).toBe(0);
     }
     const r = await reserve('skewed', { owner: 'b', count: 1 });
@@ -322,9 +322,9 @@ describe('reservations', () => {
     expect(await stats('filters')).toMatchObject({ free: 1, held: 3 });
   });
 
-  it('filters with several conditions find their matches among hundreds of candidates: by intersection, attribute set or value range', async () => {
+  it('filters with several conditions find their matches among hundreds of candidates: by intersection, or in value order', async () => {
     const upTo = (n: number) => Array.from({ length: n }, (_, i) => i);
-    // Two attribute sets of about 200 items each that share 3: Redis counts the intersection, and the script
+    // Two attributes of about 200 items each that share 3: Redis counts the intersection, and the script
     // reads it whole.
     await seedPool(
       api,
@@ -342,8 +342,8 @@ describe('reservations', () => {
       'POOL_EXHAUSTED',
     );
 
-    // Two attribute sets of 800 and 600 items sharing 300, more than the script reads whole: it walks the
-    // smaller set. Three reserves of 100 take exactly the 300; a fourth finds none.
+    // Two attributes of 800 and 600 items sharing 300, more than the script reads whole: it walks the smaller
+    // one's index in value order, past its first pages. Three reserves of 100 take exactly the 300; a fourth finds none.
     await seedPool(
       api,
       'walk-dense',
@@ -364,7 +364,7 @@ describe('reservations', () => {
     );
 
     // A value prefix matching 150 items, of which only the last 3 by value have the attribute, which 253 items
-    // have (the script walks the prefix's range, the smaller, past its first page).
+    // have: the prefix's range of the attribute's index holds exactly those 3.
     const value = (i: number) => `${i < 150 ? '139' : '138'}${String(i).padStart(8, '0')}`;
     await seedPool(
       api,
@@ -378,14 +378,36 @@ describe('reservations', () => {
     expect((await reserve('walk-range', { owner: 'o', count: 1, filter })).body.error.code).toBe('POOL_EXHAUSTED');
     expect(await stats('walk-range')).toMatchObject({ free: 397, held: 3 });
 
-    // An attribute set of 20 against the same 150-item range: the script walks the set and checks the prefix.
-    // 7 of the set are free under the prefix (147-149 are held above): asking 8 takes and gives back 7.
+    // An attribute of 20 items, 10 of them under the same prefix, 7 of those free (147-149 are held above):
+    // asking 8 takes and gives back 7.
     const small = { attributes: { d: 'w' }, valuePrefix: '139' };
     expect((await reserve('walk-range', { owner: 'o', count: 8, filter: small })).body.error.code).toBe('POOL_EXHAUSTED');
     expect(await stats('walk-range')).toMatchObject({ free: 397, held: 3 });
     const seven = await reserve('walk-range', { owner: 'o', count: 7, filter: small });
     expect(seven.status).toBe(201);
     expect(seven.body.items.map((item: { value: string }) => item.value).sort()).toEqual(upTo(7).map((i) => value(140 + i)));
+  });
+
+  it('two attributes and a prefix matching 200 of 600 items spread over every window the script reads: two reserves of 100 take all 200', async () => {
+    // Each attribute lists 400 items and both list every third one. The script reads one attribute's 400 in
+    // windows, in random order, and the items it takes move the later windows: none may be skipped.
+    await seedPool(
+      api,
+      'windows',
+      Array.from({ length: 600 }, (_, i) => ({
+        value: `1370${String(i).padStart(7, '0')}`,
+        attributes: { ...(i % 3 !== 2 && { b: 'y' }), ...(i % 3 !== 1 && { c: 'z' }) },
+      })),
+    );
+    const filter = { attributes: { b: 'y', c: 'z' }, valuePrefix: '1370' };
+    const taken: number[] = [];
+    for (let i = 0; i < 2; i++) {
+      const r = await reserve('windows', { owner: 'o', count: 100, filter });
+      expect(r.status).toBe(201);
+      taken.push(...r.body.items.map((item: { value: string }) => Number(item.value.slice(4))));
+    }
+    expect(taken.sort((x, y) => x - y)).toEqual(Array.from({ length: 200 }, (_, i) => 3 * i));
+    expect((await reserve('windows', { owner: 'o', count: 1, filter })).body.error.code).toBe('POOL_EXHAUSTED');
   });
 
   it('takes attributes named "constructor" or "toString" as data, on import and in a filter', async () => {

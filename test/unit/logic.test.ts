@@ -11,10 +11,17 @@ describe('Redis keys', () => {
   it('puts every key of a pool in the pool hash tag, under the prefix', () => {
     const keys = poolKeys('rp:', 'phone-bj');
     expect(poolBase('rp:', 'phone-bj')).toBe('rp:{phone-bj}:');
-    for (const key of [keys.free, keys.itemBucket('5780'), keys.expiries, keys.hold('5780'), keys.reservation('x')]) {
+    for (const key of [
+      keys.free,
+      keys.itemBucket('5780'),
+      keys.expiries,
+      keys.hold('5780'),
+      keys.reservation('x'),
+      keys.attribute('city', 'bj'),
+    ]) {
       expect(key.startsWith('rp:{phone-bj}:')).toBe(true);
     }
-    expect(markerKey('rp:')).toBe('rp:meta:rebuilt:2');
+    expect(markerKey('rp:')).toBe('rp:meta:rebuilt:3');
     expect(freeMember('138', '7')).toBe('138\u00007');
   });
 

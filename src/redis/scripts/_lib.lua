@@ -6,7 +6,8 @@
 --                        left out when empty}, for every unallocated item. Bucket = the id without its last two
 --                        digits: at most 100 fields a hash, which Redis keeps as a compact listpack (about a third
 --                        of the memory of one big hash table)
---   <base>fa:<k>\0<v>    SET of free members whose attribute k equals v
+--   <base>fz:<k>\0<v>    ZSET, score 0, of the free members whose attribute k equals v (lex order: the members of
+--                        an attribute with a value prefix form one range of it)
 --   <base>fg:<group>     SET of free members of a task group
 --   <base>h:<id>         STRING, the hold: reservation id (PX = its expiry), or "A:<version>" for a while after the
 --                        item was allocated at that version (a rebuild may not re-add it from an older read)
@@ -74,7 +75,7 @@ local function has_group(item)
 end
 
 local function attr_key(base, k, v)
-  return base .. 'fa:' .. k .. '\0' .. v
+  return base .. 'fz:' .. k .. '\0' .. v
 end
 
 -- Removes an item from every free index (m: its member, when the caller has it already).
@@ -82,7 +83,7 @@ local function unindex(base, item, m)
   m = m or member_of(item)
   redis.call('ZREM', base .. 'free', m)
   if type(item.a) == 'table' then
-    for k, v in pairs(item.a) do redis.call('SREM', attr_key(base, k, v), m) end
+    for k, v in pairs(item.a) do redis.call('ZREM', attr_key(base, k, v), m) end
   end
   if has_group(item) then redis.call('SREM', base .. 'fg:' .. item.g, m) end
 end
@@ -95,7 +96,7 @@ local function index_all(base, items)
     local m = member_of(item)
     scored[#scored + 1], scored[#scored + 2] = 0, m
     if type(item.a) == 'table' then
-      for k, v in pairs(item.a) do redis.call('SADD', attr_key(base, k, v), m) end
+      for k, v in pairs(item.a) do redis.call('ZADD', attr_key(base, k, v), 0, m) end
     end
     if has_group(item) then redis.call('SADD', base .. 'fg:' .. item.g, m) end
   end

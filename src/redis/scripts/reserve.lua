@@ -48,16 +48,21 @@ local function matches(item)
   return true
 end
 
+-- Drops an entry with no free, matching item behind it from the free index and from the index it was found
+-- in, `source`: {key, rem}, an attribute's ZSET (rem "ZREM") or a task group's SET (rem "SREM"), or nil.
+local function drop(m, source)
+  redis.call('ZREM', free, m)
+  if source then redis.call(source.rem, source.key, m) end
+end
+
 -- Holds a candidate member and takes it out of the free index if it is still free, unheld and what the filter
--- asks for (the hold's SET NX is the check for "unheld"); repairs the index if not. `source` is the set the
--- candidate came from, cleaned as well when the candidate is stale.
+-- asks for (the hold's SET NX is the check for "unheld"); repairs the index if not.
 local function consider(m, source)
   if #chosen >= count then return end
   if seen[m] then
     -- Considered before and still listed where it was found. Every entry considered leaves the index, or the
     -- sets that list it wrongly, so this is only a safety net: drop it, so that the picking loops always end.
-    redis.call('ZREM', free, m)
-    if source then redis.call('SREM', source, m) end
+    drop(m, source)
     return
   end
   seen[m] = true
@@ -68,111 +73,128 @@ local function consider(m, source)
   if item and not own then
     -- An entry naming another value than its item's: drop it, and index the item under its own entry if it
     -- is unheld (a later pick may find it there).
-    redis.call('ZREM', free, m)
-    if source then redis.call('SREM', source, m) end
+    drop(m, source)
     if redis.call('EXISTS', base .. 'h:' .. id) == 0 then index(base, item) end
     return
   end
   if own and not matches(item) then
-    -- Listed in an attribute set whose pair the item does not have: drop it from the sets that are wrong.
+    -- Listed in an attribute index whose pair the item does not have: drop it from the indexes that are wrong.
     for k, v in pairs(want) do
-      if type(item.a) ~= 'table' or item.a[k] ~= v then redis.call('SREM', attr_key(base, k, v), m) end
+      if type(item.a) ~= 'table' or item.a[k] ~= v then redis.call('ZREM', attr_key(base, k, v), m) end
     end
     return
   end
   if not item or not redis.call('SET', base .. 'h:' .. id, rid, 'PX', hold_ms, 'NX') then
     -- An index entry without a free, unheld item behind it: drop it.
-    redis.call('ZREM', free, m)
-    if source then redis.call('SREM', source, m) end
+    drop(m, source)
     return
   end
   unindex(base, item, m)
   chosen[#chosen + 1] = { json = json, item = item }
 end
 
+-- The free index and each attribute's index sort their members by value, so the members with a value prefix
+-- form one lex range of each. UTF-8 never holds byte 0xFF.
+local from, to = '-', '+'
+if prefix ~= '' then from, to = '[' .. prefix, '(' .. prefix .. '\255' end
+
 if attr_json ~= '' then
-  local keys = {}
-  for k, v in pairs(want) do keys[#keys + 1] = attr_key(base, k, v) end
-  if #keys == 1 and prefix == '' then
+  local sources = {}
+  for k, v in pairs(want) do sources[#sources + 1] = { key = attr_key(base, k, v), rem = 'ZREM' } end
+  if #sources == 1 and prefix == '' then
     -- Random picks; stale entries are removed as they are met, so this converges.
     while #chosen < count do
-      local picks = redis.call('SRANDMEMBER', keys[1], count - #chosen)
+      local picks = redis.call('ZRANDMEMBER', sources[1].key, count - #chosen)
       if #picks == 0 then break end
-      for _, m in ipairs(picks) do consider(m, keys[1]) end
+      for _, m in ipairs(picks) do consider(m, sources[1]) end
     end
   else
-    -- Several conditions. With attributes alone, Redis counts their intersection first (in C, stopping at
-    -- INTERSECTION_READ): fewer than `count` is an answer at once (stale entries only add to the count), and an
-    -- intersection smaller than the cap is read whole. Otherwise, and with a prefix: walk the smallest of the
-    -- sets the conditions name, or the prefix's range of the free index, a page at a time; check the other
-    -- conditions member by member; stop once `count` are held. No call copies a whole set.
-    local INTERSECTION_READ = 256
-    local intersection = -1
-    if prefix == '' then
-      local args = { 'SINTERCARD', #keys }
-      for _, key in ipairs(keys) do args[#args + 1] = key end
-      args[#args + 1], args[#args + 2] = 'LIMIT', INTERSECTION_READ
-      intersection = redis.call(unpack(args))
+    -- Several attributes, or an attribute and a prefix. The candidates are the prefix's range (every member, with
+    -- no prefix) of the attribute index that has the fewest members in it. They are read a window of WINDOW
+    -- consecutive members at a time (every score is 0, so ranks follow values), the windows in random order and
+    -- none twice, and the other attributes are checked a window at a time (ZMSCORE), until `count` are held or
+    -- every window was read. Values cluster by attribute (the numbers of one city share prefixes), so reading in
+    -- value order could cross long runs of non-matching members before the first match. With attributes alone,
+    -- once PROBES windows did not find enough, Redis counts what is left of their intersection (in C, stopping at
+    -- INTERSECTION_READ): too few is an answer at once, and a small intersection is read whole. No call copies a
+    -- whole index.
+    local WINDOW, PROBES, INTERSECTION_READ = 64, 4, 256
+    local walk, size = 1, nil
+    for i, source in ipairs(sources) do
+      local n = redis.call('ZLEXCOUNT', source.key, from, to)
+      if not size or n < size then walk, size = i, n end
     end
-    if intersection >= 0 and intersection < INTERSECTION_READ then
-      if intersection >= count then
-        for _, m in ipairs(redis.call('SINTER', unpack(keys))) do
-          if #chosen >= count then break end
-          consider(m, keys[1])
-        end
-      end
-    else
-      local walk, smallest = 0, nil
-      if prefix ~= '' then smallest = redis.call('ZLEXCOUNT', free, '[' .. prefix, '(' .. prefix .. '\255') end
-      for i, key in ipairs(keys) do
-        local n = redis.call('SCARD', key)
-        if not smallest or n < smallest then walk, smallest = i, n end
-      end
-      -- Pages start at a few times what is wanted and double up to 100 members.
-      local page_size = math.min(100, 4 * count)
-      local function next_page_size()
-        local n = page_size
-        page_size = math.min(100, 2 * page_size)
-        return n
-      end
-      local function passes(m)
-        if prefix ~= '' and string.sub(m, 1, #prefix) ~= prefix then return false end
-        for i, key in ipairs(keys) do
-          if i ~= walk and redis.call('SISMEMBER', key, m) == 0 then return false end
-        end
-        return true
-      end
-      if walk == 0 then
-        -- By value, from the prefix on; the next page starts after the last member read (members taken or
-        -- dropped meanwhile do not shift it).
-        local from, to = '[' .. prefix, '(' .. prefix .. '\255'
-        while #chosen < count do
-          local page = redis.call('ZRANGEBYLEX', free, from, to, 'LIMIT', 0, next_page_size())
-          if #page == 0 then break end
-          for _, m in ipairs(page) do
-            if #chosen >= count then break end
-            if passes(m) then consider(m, keys[1]) end
+    local key = sources[walk].key
+
+    -- Considers the members of a window that every other attribute index lists and that have the prefix.
+    local function consider_listed(members)
+      local candidates = members
+      for i, source in ipairs(sources) do
+        if i ~= walk and #candidates > 0 then
+          local scores = redis.call('ZMSCORE', source.key, unpack(candidates))
+          local listed = {}
+          for n, m in ipairs(candidates) do
+            if scores[n] then listed[#listed + 1] = m end
           end
-          from = '(' .. page[#page]
+          candidates = listed
         end
-      else
-        local cursor = '0'
-        repeat
-          local scan = redis.call('SSCAN', keys[walk], cursor, 'COUNT', next_page_size())
-          cursor = scan[1]
-          for _, m in ipairs(scan[2]) do
-            if #chosen >= count then break end
-            if passes(m) then consider(m, keys[walk]) end
-          end
-        until cursor == '0' or #chosen >= count
+      end
+      local considered = false
+      for _, m in ipairs(candidates) do
+        if #chosen >= count then break end
+        if string.sub(m, 1, #prefix) == prefix then
+          consider(m, sources[walk])
+          considered = true
+        end
+      end
+      return considered
+    end
+
+    -- Fewer candidates than wanted (stale ones included): fewer match.
+    local windows = size >= count and math.ceil(size / WINDOW) or 0
+    local first = (windows == 0 or prefix == '') and 0 or redis.call('ZLEXCOUNT', key, '-', '(' .. prefix)
+    math.randomseed(tonumber(string.sub(rid, -8), 16) or now)
+    -- The windows' order is a Fisher-Yates shuffle done as it goes: slot j holds order[j], or j itself.
+    local order, read = {}, 0
+    -- {rank, n}: a window read at that rank lost n members (taken or dropped), so later ones start n lower.
+    local shifts = {}
+    while #chosen < count and read < windows do
+      if read == PROBES and prefix == '' then
+        -- (unpack expands only as the last argument)
+        local card, inter = { 'ZINTERCARD', #sources }, { 'ZINTER', #sources }
+        for _, source in ipairs(sources) do
+          card[#card + 1], inter[#inter + 1] = source.key, source.key
+        end
+        card[#card + 1], card[#card + 2] = 'LIMIT', INTERSECTION_READ
+        local left = redis.call(unpack(card))
+        if left < INTERSECTION_READ then
+          if left >= count - #chosen then consider_listed(redis.call(unpack(inter))) end
+          break
+        end
+      end
+      local j = math.random(read + 1, windows)
+      local w = order[j] or j
+      order[j] = order[read + 1] or (read + 1)
+      read = read + 1
+      local nominal = first + (w - 1) * WINDOW
+      local start = nominal
+      for _, shift in ipairs(shifts) do
+        if shift[1] < nominal then start = start - shift[2] end
+      end
+      local members = redis.call('ZRANGE', key, start, start + WINDOW - 1)
+      if consider_listed(members) and #chosen < count then
+        local still, lost = redis.call('ZMSCORE', key, unpack(members)), 0
+        for n = 1, #members do
+          if not still[n] then lost = lost + 1 end
+        end
+        if lost > 0 then shifts[#shifts + 1] = { nominal, lost } end
       end
     end
   end
 elseif prefix ~= '' then
-  -- Members sort by value, so the items with this prefix form one lex range. UTF-8 never holds byte 0xFF.
   -- Every member considered leaves the index, so the next page starts at offset 0 again.
   while #chosen < count do
-    local page = redis.call('ZRANGEBYLEX', free, '[' .. prefix, '(' .. prefix .. '\255', 'LIMIT', 0, count - #chosen)
+    local page = redis.call('ZRANGEBYLEX', free, from, to, 'LIMIT', 0, count - #chosen)
     if #page == 0 then break end
     for _, m in ipairs(page) do consider(m) end
   end
@@ -182,8 +204,8 @@ else
     local groups = redis.call('HKEYS', base .. 'og:' .. owner)
     for _, g in ipairs(groups) do
       if #chosen >= count then break end
-      local group = base .. 'fg:' .. g
-      for _, m in ipairs(redis.call('SRANDMEMBER', group, count)) do consider(m, group) end
+      local group = { key = base .. 'fg:' .. g, rem = 'SREM' }
+      for _, m in ipairs(redis.call('SRANDMEMBER', group.key, count)) do consider(m, group) end
     end
   end
   while #chosen < count do

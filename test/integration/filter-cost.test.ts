@@ -1,0 +1,78 @@
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { Redis } from 'ioredis';
+import { SweeperService } from '../../src/sweeper/sweeper.service.js';
+import { OwnRedis } from '../support/services.js';
+import { TestInstance, TestWorld, seedPool } from '../support/harness.js';
+
+// What a filtered reserve costs Redis, counted in the commands its script calls rather than timed: this file
+// runs a redis-server of its own, so nothing else adds to its command counts.
+describe('filtered reserves: the work Redis does does not grow with the pool', () => {
+  const SIZE = 10_000;
+  let redis: OwnRedis;
+  let world: TestWorld;
+  let api: TestInstance;
+  let client: Redis;
+
+  beforeAll(async () => {
+    redis = await OwnRedis.start();
+    world = new TestWorld('filtercost', { REDIS_URL: redis.url });
+    api = await world.start({ RECONCILE_INTERVAL_MS: '0' });
+    // No sweep, wipe check or rebuild during a count.
+    await api.app.get(SweeperService).onModuleDestroy();
+    client = redis.client();
+    // Even items: city bj, values 139...; odd ones: city sh, values 138...; tier gold on 2 items of every 10.
+    await seedPool(
+      api,
+      'cities',
+      Array.from({ length: SIZE }, (_, i) => ({
+        value: `${i % 2 ? '138' : '139'}${String(i).padStart(8, '0')}`,
+        attributes: { city: i % 2 ? 'sh' : 'bj', ...(i % 10 < 2 && { tier: 'gold' }) },
+      })),
+    );
+  }, 60_000);
+  afterAll(async () => {
+    client?.disconnect();
+    await world.cleanup();
+    await redis.stop();
+  });
+
+  /** Commands Redis ran, by name, scripts' own calls included. */
+  const commands = async (): Promise<Map<string, number>> => {
+    const stats = new Map<string, number>();
+    for (const [, name, calls] of (await client.info('commandstats')).matchAll(/cmdstat_([^:]+):calls=(\d+)/g))
+      stats.set(name, Number(calls));
+    return stats;
+  };
+
+  /** Reserves with this filter; returns the answer and the commands the script called (EVALSHA itself left out). */
+  const reserveCounting = async (count: number, filter: object) => {
+    const before = await commands();
+    const answer = await api.post('/v1/pools/cities/reservations', { owner: 'o', count, filter });
+    const after = await commands();
+    let called = 0;
+    for (const [name, calls] of after) if (!['evalsha', 'info'].includes(name)) called += calls - (before.get(name) ?? 0);
+    return { answer, called };
+  };
+
+  const cases = [
+    { filter: { attributes: { city: 'bj' }, valuePrefix: '138' }, found: 0 }, // none: bj values start 139
+    { filter: { attributes: { city: 'bj' }, valuePrefix: '13900001' }, found: 3 },
+    { filter: { attributes: { city: 'bj', tier: 'gold' }, valuePrefix: '138' }, found: 0 },
+    { filter: { attributes: { city: 'sh', tier: 'gold' }, valuePrefix: '1380000' }, found: 3 },
+  ];
+
+  it.each(cases)('$filter: at most a few dozen commands on a 10,000-item pool', async ({ filter, found }) => {
+    const { answer, called } = await reserveCounting(3, filter);
+    expect(answer.status).toBe(found ? 201 : 409);
+    if (found) {
+      const values: string[] = answer.body.items.map((item: { value: string }) => item.value);
+      expect(values).toHaveLength(3);
+      for (const value of values) expect(value.startsWith(filter.valuePrefix)).toBe(true);
+      for (const item of answer.body.items) expect(item.attributes).toMatchObject(filter.attributes);
+      expect((await api.del(`/v1/reservations/${answer.body.id}`)).status).toBe(200);
+    }
+    // Holding 3 items takes about 20 calls. Walking the 5,000 items of one city, or of one prefix, would take
+    // hundreds.
+    expect(called).toBeLessThanOrEqual(40);
+  });
+});
