@@ -43,7 +43,7 @@ export class RebuildService {
       // generation again would fence the holds taken on its rebuild.
       if (reason === 'wiped' && (await this.holds.markerPresent())) return 0;
       // No marker: Redis was wiped, or this version's key layout is new to it (the marker's name changed).
-      if (reason === 'wiped') await this.holds.dropLegacyAttributeSets();
+      if (reason === 'wiped') await this.holds.dropLegacyAttributeSets(() => this.renewLease());
       let added = 0;
       // The marker is written first with a token of this run: if Redis is wiped while we rebuild, the
       // token is gone at the end and the rebuild starts over.
@@ -82,6 +82,15 @@ export class RebuildService {
     } finally {
       await this.mutex.release(JOB, this.instanceId).catch(() => undefined);
     }
+  }
+
+  private lastRenewal = 0;
+
+  /** Renews the job's lease if a few seconds passed since the last renewal (long walks call it often). */
+  private async renewLease(): Promise<void> {
+    if (Date.now() - this.lastRenewal < LEASE_MS / 6) return;
+    this.lastRenewal = Date.now();
+    await this.mutex.tryAcquire(JOB, this.instanceId, LEASE_MS);
   }
 
   /** Rows the scripts cannot index (written outside the API before Postgres refused them) stay out of Redis. */

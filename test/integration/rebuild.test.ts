@@ -125,11 +125,17 @@ describe('rebuild of Redis from Postgres, one instance at a time', () => {
       const members = await client.zrange(keys.free, 0, -1);
       await client.sadd(legacy, ...members.filter((m) => !m.startsWith('13800000003')));
       await client.del(keys.attribute('city', 'bj'), keys.attribute('city', 'sh'), markerKey(world.prefix));
+      // Keys of this layout whose names merely contain "}:fa:" stay: an idempotency key, and a set named so.
+      const idem = `${keys.base}idem:a}:fa:b`;
+      const group = `${keys.base}fg:x}:fa:y`;
+      await client.set(idem, 'kept');
+      await client.sadd(group, 'kept');
       // The new version finds no marker of its layout: Redis counts as wiped.
       expect(await a.app.get(HoldStore).markerPresent()).toBe(false);
       // The items are in the free index already (its layout did not change); their attribute indexes are rebuilt.
       expect(await b.app.get(RebuildService).rebuild('wiped')).toBe(0);
       expect(await client.exists(legacy)).toBe(0);
+      expect(await client.exists(idem, group)).toBe(2);
       expect(await client.zcard(keys.attribute('city', 'bj'))).toBe(2);
       expect(await client.zcard(keys.attribute('city', 'sh'))).toBe(1);
       const r = await a.post('/v1/pools/layout2/reservations', {

@@ -38,6 +38,9 @@ local free = base .. 'free'
 local hold_ms = ttl + grace
 local want = attr_json ~= '' and cjson.decode(attr_json) or {}
 local chosen, seen = {}, {}
+-- Items consider() found behind a wrong entry, to index under their own entry once a walk by rank is over (an
+-- entry added meanwhile would move the ranks of the members after it); nil: index them at once.
+local reindex_later = nil
 
 -- True when the item's value starts with the filter's prefix and it has every attribute pair the filter names.
 local function matches(item)
@@ -61,7 +64,7 @@ local function consider(m, source)
   if #chosen >= count then return end
   if seen[m] then
     -- Considered before and still listed where it was found. Every entry considered leaves the index, or the
-    -- sets that list it wrongly, so this is only a safety net: drop it, so that the picking loops always end.
+    -- indexes that list it wrongly, so this is only a safety net: drop it, so that the picking loops always end.
     drop(m, source)
     return
   end
@@ -72,9 +75,15 @@ local function consider(m, source)
   local own = item and member_of(item) == m
   if item and not own then
     -- An entry naming another value than its item's: drop it, and index the item under its own entry if it
-    -- is unheld (a later pick may find it there).
+    -- is unheld (a later pick may find it there, unless it is a walk by rank).
     drop(m, source)
-    if redis.call('EXISTS', base .. 'h:' .. id) == 0 then index(base, item) end
+    if redis.call('EXISTS', base .. 'h:' .. id) == 0 then
+      if reindex_later then
+        reindex_later[#reindex_later + 1] = item
+      else
+        index(base, item)
+      end
+    end
     return
   end
   if own and not matches(item) then
@@ -156,6 +165,7 @@ if attr_json ~= '' then
     math.randomseed(tonumber(string.sub(rid, -8), 16) or now)
     -- The windows' order is a Fisher-Yates shuffle done as it goes: slot j holds order[j], or j itself.
     local order, read = {}, 0
+    reindex_later = {}
     -- {rank, n}: a window read at that rank lost n members (taken or dropped), so later ones start n lower.
     local shifts = {}
     while #chosen < count and read < windows do
@@ -190,6 +200,8 @@ if attr_json ~= '' then
         if lost > 0 then shifts[#shifts + 1] = { nominal, lost } end
       end
     end
+    index_all(base, reindex_later)
+    reindex_later = nil
   end
 elseif prefix ~= '' then
   -- Every member considered leaves the index, so the next page starts at offset 0 again.
