@@ -1,5 +1,5 @@
 import pg from 'pg';
-import { DataSource } from 'typeorm';
+import { DataSource, DataSourceOptions } from 'typeorm';
 import { AppConfig, loadConfig } from '../config/app-config.js';
 import { dataSourceOptions } from './data-source.js';
 
@@ -42,7 +42,11 @@ export async function runMigrations(config: AppConfig): Promise<string[]> {
   await lock.connect();
   try {
     await lock.query('SELECT pg_advisory_lock($1)', [MIGRATION_LOCK]);
-    const ds = new DataSource(dataSourceOptions(config));
+    // No statement timeouts while migrating: building an index or checking a constraint on a large table
+    // takes longer than a request may.
+    const options = dataSourceOptions(config);
+    const extra = { ...('extra' in options ? options.extra : {}), statement_timeout: 0, query_timeout: undefined };
+    const ds = new DataSource({ ...options, extra } as DataSourceOptions);
     await ds.initialize();
     try {
       const applied = await ds.runMigrations({ transaction: 'each' });

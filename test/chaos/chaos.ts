@@ -51,6 +51,8 @@ async function api(instance: Instance, method: string, path: string, body?: unkn
     method,
     headers: body === undefined ? {} : { 'content-type': 'application/json' },
     body: body === undefined ? undefined : JSON.stringify(body),
+    // A step of a scenario that gets no answer fails the run at once rather than after undici's 5 minutes.
+    signal: AbortSignal.timeout(30_000),
   });
   const text = await res.text();
   return { status: res.status, body: text ? JSON.parse(text) : undefined };
@@ -250,6 +252,7 @@ async function pauseScenario(a: Instance, b: Instance, c: Instance, databaseUrl:
       method: 'POST',
       headers: { 'content-type': 'application/json' },
       body: JSON.stringify({ resourceIds: [id] }),
+      signal: AbortSignal.timeout(60_000),
     }).then(async (res) => ({ status: res.status, body: (await res.json()) as any }));
     const pinSeen = await stopped;
     a.pause(); // stopped already (or now, if the pin was never seen)

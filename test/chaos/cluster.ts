@@ -93,6 +93,9 @@ export class Instance {
       try {
         const res = await fetch(`${this.url}/health/live`, { signal: AbortSignal.timeout(1000) });
         if (res.ok) {
+          // A process that could not listen exits at once: then the answer came from another one on the port.
+          await sleep(300);
+          if (this.child.exitCode !== null) throw new Error(`${this.name} exited with ${this.child.exitCode}; see ${this.logFile}`);
           this.state = 'up';
           return;
         }

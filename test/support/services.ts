@@ -19,7 +19,38 @@ export function serviceArgs(): string[] {
   return args;
 }
 
+function listens(port: number): Promise<boolean> {
+  return new Promise((resolve) => {
+    const server = net.createServer();
+    server.once('error', () => resolve(false));
+    server.listen(port, '127.0.0.1', () => server.close(() => resolve(true)));
+  });
+}
+
+/** The lowest port the kernel hands out on its own (to outgoing connections and to listen(0)). */
+function ephemeralLow(): number {
+  try {
+    const low = Number(readFileSync('/proc/sys/net/ipv4/ip_local_port_range', 'utf8').trim().split(/\s+/)[0]);
+    return Number.isInteger(low) && low > 0 ? low : 32768;
+  } catch {
+    return 32768;
+  }
+}
+
+/**
+ * A free loopback port for a server a test starts, stops and starts again (an instance it kills, its own Redis
+ * or Postgres). Taken below the kernel's ephemeral range: a port from that range may, while the server is
+ * down, become the local port of an outgoing connection or another process's listen(0), and the server then
+ * cannot start again, or a check of its health reaches that other process (seen in CI: EADDRINUSE).
+ */
 export async function freePort(): Promise<number> {
+  const low = Math.min(ephemeralLow(), 65536);
+  const from = 10_000;
+  for (let attempt = 0; low > from + 1000 && attempt < 100; attempt++) {
+    const port = from + Math.floor(Math.random() * (low - from));
+    if (await listens(port)) return port;
+  }
+  // No room below that range: any port the kernel finds free.
   return new Promise((resolve, reject) => {
     const server = net.createServer();
     server.once('error', reject);
