@@ -254,6 +254,7 @@ async function pauseScenario(a: Instance, b: Instance, c: Instance, databaseUrl:
       body: JSON.stringify({ resourceIds: [id] }),
       signal: AbortSignal.timeout(60_000),
     }).then(async (res) => ({ status: res.status, body: (await res.json()) as any }));
+    paused.catch(() => undefined); // awaited below; a failure meanwhile must not end the process unhandled
     const pinSeen = await stopped;
     a.pause(); // stopped already (or now, if the pin was never seen)
     await proxy.setLatency(0);

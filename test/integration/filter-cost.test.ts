@@ -32,8 +32,11 @@ describe('filtered reserves: the work Redis does does not grow with the pool', (
   }, 60_000);
   afterAll(async () => {
     client?.disconnect();
-    await world.cleanup();
-    await redis.stop();
+    try {
+      await world.cleanup();
+    } finally {
+      await redis?.stop();
+    }
   });
 
   /** Commands Redis ran, by name, scripts' own calls included. */
