@@ -37,6 +37,7 @@ export class RebuildService {
   /** Returns the number of items added to the index, or null when another instance holds the job. */
   async rebuild(reason: RebuildReason): Promise<number | null> {
     if (!(await this.mutex.tryAcquire(JOB, this.instanceId, LEASE_MS))) return null;
+    this.lastRenewal = Date.now();
     const started = Date.now();
     try {
       // Seen wiped before the job was ours: another instance may have rebuilt since. Bumping the
@@ -119,6 +120,7 @@ export class RebuildService {
       if (unindexable.length > 0) this.reportUnindexable(pool, unindexable);
       added += await this.holds.addFree(pool, generation, indexable.map(toCachedItem));
       after = rows[rows.length - 1].id;
+      await this.renewLease(); // a pool of millions of items takes longer than one lease
     }
   }
 }
