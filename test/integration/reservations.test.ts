@@ -2,6 +2,7 @@ import type { Redis } from 'ioredis';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { freeMember, poolKeys } from '../../src/redis/keys.js';
 import { REDIS } from '../../src/redis/redis.client.js';
+import { RebuildService } from '../../src/sweeper/rebuild.service.js';
 import { TestInstance, TestWorld, eventually, numbers, seedPool, sleep } from '../support/harness.js';
 
 describe('reservations', () => {
@@ -98,6 +99,32 @@ describe('reservations', () => {
     const r = await reserve('skewed', { owner: 'b', count: 1 });
     expect(r.status).toBe(201);
     expect(r.body.items[0].value).toBe('13800000001');
+  });
+
+  it('an item whose cached JSON is not an item (a hand edit) is left out, not a 500: the reserve takes others, and the rebuild restores it', async () => {
+    await seedPool(api, 'garbled', numbers(4));
+    const redis = api.app.get<Redis>(REDIS);
+    const keys = poolKeys(world.prefix, 'garbled');
+    const members = await redis.zrange(keys.free, 0, -1);
+    const ids = members.map((m) => m.slice(m.indexOf('\0') + 1));
+    await redis.hset(keys.itemBucket(ids[0]), ids[0], 'not json');
+    await redis.hset(keys.itemBucket(ids[1]), ids[1], JSON.stringify({ id: ids[1], n: 0 })); // no value
+    // A reserve of all 4 meets both: 409 (2 are items), not a 500, and the 2 go back.
+    const all = await reserve('garbled', { owner: 'o', count: 4 });
+    expect(all.status).toBe(409);
+    expect(all.body.error.code).toBe('POOL_EXHAUSTED');
+    // The garbled ones are out of the index, not held, and their cache entries are gone.
+    expect((await redis.zrange(keys.free, 0, -1)).sort()).toEqual(members.slice(2).sort());
+    expect(await redis.exists(keys.hold(ids[0]), keys.hold(ids[1]))).toBe(0);
+    expect(await redis.hget(keys.itemBucket(ids[0]), ids[0])).toBeNull();
+    expect(await redis.hget(keys.itemBucket(ids[1]), ids[1])).toBeNull();
+    const r = await reserve('garbled', { owner: 'o', count: 2 });
+    expect(r.status).toBe(201);
+    expect(r.body.items.map((i: { resourceId: string }) => i.resourceId).sort()).toEqual(ids.slice(2).sort());
+    expect(await api.app.get(RebuildService).rebuild('periodic')).toBe(2);
+    const again = await reserve('garbled', { owner: 'o', count: 2 });
+    expect(again.status).toBe(201);
+    expect(again.body.items.map((i: { resourceId: string }) => i.resourceId).sort()).toEqual(ids.slice(0, 2).sort());
   });
 
   it('a wrong entry met while walking windows by rank does not make the walk skip a match: its item is indexed afterwards', async () => {

@@ -1,6 +1,8 @@
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { HoldStore } from '../../src/redis/hold-store.repository.js';
 import { SweeperService } from '../../src/sweeper/sweeper.service.js';
+import { RebuildService } from '../../src/sweeper/rebuild.service.js';
+import { poolKeys } from '../../src/redis/keys.js';
 import { SWEEP_BATCH, SWEEP_WORK_BUDGET } from '../../src/sweeper/sweep-limits.js';
 import { TestInstance, TestWorld, numbers, seedPool, sleep } from '../support/harness.js';
 
@@ -59,5 +61,27 @@ describe('sweeper', () => {
     await holdAndExpire('heavy', reservations, 20);
     await api.app.get(SweeperService).tick();
     expect((await api.get('/v1/pools/heavy')).body.stats).toMatchObject({ free: reservations * 20, held: 0 });
+  });
+  it('a reservation whose items are not a list of items (a hand edit) is expired without them, and expiry goes on past it', async () => {
+    await seedPool(api, 'mangled', numbers(4));
+    const holds = [];
+    for (let i = 0; i < 2; i++) holds.push(await api.post('/v1/pools/mangled/reservations', { owner: 'o', count: 2, ttlMs: 1000 }));
+    const redis = new (await import('ioredis')).Redis(api.config.REDIS_URL);
+    try {
+      // The first to expire lists its first item without a value.
+      const id = holds[0].body.items[0].resourceId;
+      await redis.hset(poolKeys(world.prefix, 'mangled').reservation(holds[0].body.id), 'i', JSON.stringify([{ id, n: 0 }]));
+    } finally {
+      redis.disconnect();
+    }
+    await sleep(1200 + api.config.HOLD_GRACE_MS);
+
+    await api.app.get(SweeperService).tick();
+
+    // The other reservation's two items are free again; the mangled one's stay out until a rebuild.
+    expect((await api.get('/v1/pools/mangled')).body.stats).toMatchObject({ free: 2 });
+    expect((await api.get(`/v1/reservations/${holds[1].body.id}`)).body.state).toBe('expired');
+    expect(await api.app.get(RebuildService).rebuild('periodic')).toBe(2);
+    expect((await api.get('/v1/pools/mangled')).body.stats).toMatchObject({ free: 4 });
   });
 });

@@ -113,6 +113,41 @@ local function decode_items(json)
   return cjson.decode(json)
 end
 
+-- True when `item` is an item as respool writes it: string id and value, numeric version, and, if present, a
+-- string group and a table of string attributes.
+local function well_formed(item)
+  if type(item) ~= 'table' or type(item.id) ~= 'string' or type(item.v) ~= 'string' or type(item.n) ~= 'number' then
+    return false
+  end
+  if item.g ~= nil and item.g ~= cjson.null and type(item.g) ~= 'string' then return false end
+  if item.a ~= nil then
+    if type(item.a) ~= 'table' then return false end
+    for k, v in pairs(item.a) do
+      if type(k) ~= 'string' or type(v) ~= 'string' then return false end
+    end
+  end
+  return true
+end
+
+-- A cached item's JSON decoded, or nil when there is none or it is not a well-formed item (only a hand edit
+-- of Redis makes one): callers treat it as no cache entry, which the rebuild writes again from Postgres.
+local function decode_item(json)
+  if not json then return nil end
+  local ok, item = pcall(cjson.decode, json)
+  if ok and well_formed(item) then return item end
+  return nil
+end
+
+-- A reservation's items decoded, or nil when its JSON is not a list of well-formed items.
+local function decode_items_safely(json)
+  local ok, items = pcall(decode_items, json)
+  if not ok or type(items) ~= 'table' then return nil end
+  for _, item in ipairs(items) do
+    if not well_formed(item) then return nil end
+  end
+  return items
+end
+
 -- Adjusts the per-owner counters of a reservation's items (delta +1 or -1 per item).
 local function count_items(base, owner, kind, items, delta)
   if #items == 0 then return end

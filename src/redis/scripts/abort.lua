@@ -31,8 +31,7 @@ for _, item in ipairs(items) do
   local hkey = base .. 'h:' .. item.id
   local holder = redis.call('GET', hkey)
   if allocated[item.id] then
-    local cached = item_get(base, item.id)
-    cached = cached and cjson.decode(cached)
+    local cached = decode_item(item_get(base, item.id))
     if cached and cached.n > tonumber(allocated[item.id]) then
       -- The cache is newer than the allocation Postgres showed: released since, free at that version.
       free_items(base, rid, { cached })

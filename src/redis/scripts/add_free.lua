@@ -26,8 +26,8 @@ for i = 3, #ARGV do
   -- Not allocated: cache the item (unless the cache is newer); index it only if nobody holds it. An item
   -- under a live hold needs its cache entry when the hold ends, to go back into the index then.
   if not is_tombstone(holder) then
-    local cached = item_get(base, item.id)
-    if not cached or cjson.decode(cached).n <= item.n then
+    local cached = decode_item(item_get(base, item.id))
+    if not cached or cached.n <= item.n then
       item_set(base, item.id, json)
       if not holder then added = added + index(base, item) end
     end

@@ -12,8 +12,7 @@ for i = 7, #ARGV, 2 do
   local m, version = ARGV[i], tonumber(ARGV[i + 1])
   local id = id_of(m)
   chosen[id] = true
-  local cached = item_get(base, id)
-  cached = cached and cjson.decode(cached)
+  local cached = decode_item(item_get(base, id))
   if cached and cached.n >= version then
     -- A cache entry at this version or newer: the item was released since (a late finish, by the sweeper
     -- after the owner had already released it). It is free at that version; our pinned hold must go.

@@ -71,7 +71,13 @@ local function consider(m, source)
   seen[m] = true
   local id = id_of(m)
   local json = item_get(base, id)
-  local item = json and cjson.decode(json)
+  local item = decode_item(json)
+  if json and not item then
+    -- A cache entry that is not an item: forget it with the index entry; the rebuild re-adds the item from Postgres.
+    item_del(base, id)
+    drop(m, source)
+    return
+  end
   local own = item and member_of(item) == m
   if item and not own then
     -- An entry naming another value than its item's: drop it, and index the item under its own entry if it

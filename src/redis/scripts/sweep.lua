@@ -37,10 +37,18 @@ for _, rid in ipairs(due) do
     redis.call('ZADD', exp, now + recheck, rid)
     reply[#reply + 1] = rid
   elseif r.s == 'held' then
-    local items = decode_items(r.i)
-    work = work + writes(items)
-    freed = freed + free_items(base, rid, items)
-    redis.call('HSET', rkey, unpack(uncount_into(base, r, items, { 's', 'expired' })))
+    local items = decode_items_safely(r.i)
+    if items then
+      work = work + writes(items)
+      freed = freed + free_items(base, rid, items)
+      redis.call('HSET', rkey, unpack(uncount_into(base, r, items, { 's', 'expired' })))
+    else
+      -- Not a list of items (only a hand edit of Redis makes that): expire the reservation without freeing
+      -- them, so that expiry goes on in this pool. Their holds run out and the rebuild re-adds them; what the
+      -- reservation counted against its owner stays counted.
+      redis.log(redis.LOG_WARNING, 'respool: reservation ' .. rid .. ' lists malformed items; expired without freeing them')
+      redis.call('HSET', rkey, 's', 'expired')
+    end
     redis.call('PEXPIRE', rkey, retention)
     redis.call('ZREM', exp, rid)
     expired = expired + 1
