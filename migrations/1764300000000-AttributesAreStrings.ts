@@ -16,7 +16,9 @@ export class AttributesAreStrings1764300000000 implements MigrationInterface {
       ALTER TABLE t_resource ADD CONSTRAINT t_resource_attributes_strings
         CHECK (jsonb_typeof(attributes) = 'object' AND NOT jsonb_path_exists(attributes, 'strict $.* ? (@.type() != "string")'))
         NOT VALID`);
-    // (Checking every row of a large table may take long: the migration runner sets no statement timeouts.)
+    // Checking every row of a large table may take long. (The runner sets no client timeout; pg does not send
+    // a statement_timeout of 0, so one set for the role or database would still apply without this.)
+    await q.query(`SET LOCAL statement_timeout = 0`);
     await q.query(`
       DO $$
       BEGIN

@@ -69,8 +69,9 @@ describe('sweeper', () => {
     const redis = new (await import('ioredis')).Redis(api.config.REDIS_URL);
     try {
       // The first to expire lists its first item without a value.
-      const id = holds[0].body.items[0].resourceId;
-      await redis.hset(poolKeys(world.prefix, 'mangled').reservation(holds[0].body.id), 'i', JSON.stringify([{ id, n: 0 }]));
+      const rkey = poolKeys(world.prefix, 'mangled').reservation(holds[0].body.id);
+      const [first, second] = JSON.parse((await redis.hget(rkey, 'i'))!);
+      await redis.hset(rkey, 'i', JSON.stringify([{ id: first.id, n: first.n }, second]));
     } finally {
       redis.disconnect();
     }
@@ -78,10 +79,18 @@ describe('sweeper', () => {
 
     await api.app.get(SweeperService).tick();
 
-    // The other reservation's two items are free again; the mangled one's stay out until a rebuild.
-    expect((await api.get('/v1/pools/mangled')).body.stats).toMatchObject({ free: 2 });
+    // The other reservation's two items are free again, and the mangled one's well-formed item; the other
+    // stays out until a rebuild. Both reservations stopped counting both their items against the owner.
+    expect((await api.get('/v1/pools/mangled')).body.stats).toMatchObject({ free: 3 });
     expect((await api.get(`/v1/reservations/${holds[1].body.id}`)).body.state).toBe('expired');
-    expect(await api.app.get(RebuildService).rebuild('periodic')).toBe(2);
+    expect((await api.get(`/v1/reservations/${holds[0].body.id}`)).body.state).toBe('expired');
+    const check = new (await import('ioredis')).Redis(api.config.REDIS_URL);
+    try {
+      expect(await check.hget(`${poolKeys(world.prefix, 'mangled').base}oh`, 'o')).toBeNull();
+    } finally {
+      check.disconnect();
+    }
+    expect(await api.app.get(RebuildService).rebuild('periodic')).toBe(1);
     expect((await api.get('/v1/pools/mangled')).body.stats).toMatchObject({ free: 4 });
   });
 });

@@ -129,8 +129,9 @@ local function well_formed(item)
   return true
 end
 
--- A cached item's JSON decoded, or nil when there is none or it is not a well-formed item (only a hand edit
--- of Redis makes one): callers treat it as no cache entry, which the rebuild writes again from Postgres.
+-- A cached item's JSON decoded, or nil when there is none or it is not a well-formed item (a hand edit of
+-- Redis, or a row with non-string attributes cached before Postgres refused them): callers treat it as no
+-- cache entry, which the rebuild writes again from Postgres if it can.
 local function decode_item(json)
   if not json then return nil end
   local ok, item = pcall(cjson.decode, json)
@@ -138,14 +139,20 @@ local function decode_item(json)
   return nil
 end
 
--- A reservation's items decoded, or nil when its JSON is not a list of well-formed items.
+-- A reservation's items decoded: the well-formed ones, and as many entries as the list has with the others
+-- replaced by empty tables (to count them); nil, nil when its JSON is not a list.
 local function decode_items_safely(json)
   local ok, items = pcall(decode_items, json)
-  if not ok or type(items) ~= 'table' then return nil end
-  for _, item in ipairs(items) do
-    if not well_formed(item) then return nil end
+  if not ok or type(items) ~= 'table' or (#items == 0 and next(items) ~= nil) then return nil, nil end
+  local good, counted = {}, {}
+  for i, item in ipairs(items) do
+    if well_formed(item) then
+      good[#good + 1], counted[i] = item, item
+    else
+      counted[i] = {}
+    end
   end
-  return items
+  return good, counted
 end
 
 -- Adjusts the per-owner counters of a reservation's items (delta +1 or -1 per item).

@@ -37,18 +37,16 @@ for _, rid in ipairs(due) do
     redis.call('ZADD', exp, now + recheck, rid)
     reply[#reply + 1] = rid
   elseif r.s == 'held' then
-    local items = decode_items_safely(r.i)
-    if items then
-      work = work + writes(items)
-      freed = freed + free_items(base, rid, items)
-      redis.call('HSET', rkey, unpack(uncount_into(base, r, items, { 's', 'expired' })))
-    else
-      -- Not a list of items (only a hand edit of Redis makes that): expire the reservation without freeing
-      -- them, so that expiry goes on in this pool. Their holds run out and the rebuild re-adds them; what the
-      -- reservation counted against its owner stays counted.
+    -- Items that are not items (a hand edit of Redis, say) are not freed, so that expiry goes on in this pool:
+    -- their holds run out and the rebuild re-adds them. Neither are any if the list is not a list; what the
+    -- reservation counted against its owner then stays counted.
+    local items, counted = decode_items_safely(r.i)
+    if not counted or #items < #counted then
       redis.log(redis.LOG_WARNING, 'respool: reservation ' .. rid .. ' lists malformed items; expired without freeing them')
-      redis.call('HSET', rkey, 's', 'expired')
     end
+    work = work + writes(items or {})
+    freed = freed + free_items(base, rid, items or {})
+    redis.call('HSET', rkey, unpack(counted and uncount_into(base, r, counted, { 's', 'expired' }) or { 's', 'expired' }))
     redis.call('PEXPIRE', rkey, retention)
     redis.call('ZREM', exp, rid)
     expired = expired + 1
