@@ -24,6 +24,12 @@ export function IsResourceId(options?: ValidationOptions): PropertyDecorator {
 
 const MAX_ATTRIBUTES = 32;
 
+/** A plain object (not an array) whose values are all strings: what the Redis scripts can index as attributes. */
+export function isStringRecord(value: unknown): value is Record<string, string> {
+  if (value === null || typeof value !== 'object' || Array.isArray(value)) return false;
+  return Object.values(value).every((v) => typeof v === 'string');
+}
+
 /** A flat object of string values: `{ "city": "bj" }`; no nesting, no NUL characters, at most 32 keys. */
 export function IsFlatStringRecord(options?: ValidationOptions): PropertyDecorator {
   return (target: object, propertyName: string | symbol) => {
@@ -37,14 +43,11 @@ export function IsFlatStringRecord(options?: ValidationOptions): PropertyDecorat
       },
       validator: {
         validate(value: unknown): boolean {
-          if (value === null || typeof value !== 'object' || Array.isArray(value)) return false;
-          const entries = Object.entries(value as Record<string, unknown>);
+          if (!isStringRecord(value)) return false;
+          const entries = Object.entries(value);
           return (
             entries.length <= MAX_ATTRIBUTES &&
-            entries.every(
-              ([k, v]) =>
-                k.length >= 1 && k.length <= 64 && !k.includes('\0') && typeof v === 'string' && v.length <= 256 && !v.includes('\0'),
-            )
+            entries.every(([k, v]) => k.length >= 1 && k.length <= 64 && !k.includes('\0') && v.length <= 256 && !v.includes('\0'))
           );
         },
       },

@@ -23,15 +23,6 @@ export function toPoolDto(pool: PoolEntity): PoolDto {
   };
 }
 
-/**
- * True when a row's attributes are what the API takes and the Redis scripts can index: a flat object of
- * strings. Postgres refuses other rows since migration AttributesAreStrings; rows from before it may remain.
- */
-export function indexableAttributes(attributes: unknown): boolean {
-  if (attributes === null || typeof attributes !== 'object' || Array.isArray(attributes)) return false;
-  return Object.values(attributes).every((value) => typeof value === 'string');
-}
-
 export function toCachedItem(row: Pick<ResourceRow, 'id' | 'value' | 'version' | 'groupKey' | 'attributes'>): CachedItem {
   const item: CachedItem = { id: row.id, v: row.value, n: row.version };
   if (row.groupKey !== null) item.g = row.groupKey;

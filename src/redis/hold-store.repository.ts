@@ -335,17 +335,14 @@ export class HoldStore implements OnApplicationShutdown {
    * other names). Walks the whole key space, so the rebuild calls it only after a wipe or an upgrade, and
    * `afterPage` after each page of the walk (to keep its lease).
    */
-  async dropLegacyAttributeSets(afterPage: () => Promise<unknown> = async () => undefined): Promise<number> {
-    // The glob also matches other keys holding "}:fa:" (an idempotency key may): only SETs named exactly so go.
-    const legacy = new RegExp(`^${this.prefix.replace(/[.*+?^${}()|[\]\\]/g, '\\$&')}\\{[a-z0-9][a-z0-9_-]*\\}:fa:`);
+  async dropLegacyAttributeSets(afterPage: () => Promise<unknown>): Promise<number> {
+    const legacy = legacyAttributeSets(this.prefix);
     let dropped = 0;
     let cursor = '0';
     do {
-      const [next, keys] = await this.command(() =>
-        this.redis.scan(cursor, 'MATCH', legacyAttributeSets(this.prefix), 'COUNT', 1000, 'TYPE', 'set'),
-      );
+      const [next, keys] = await this.command(() => this.redis.scan(cursor, 'MATCH', legacy.glob, 'COUNT', 1000, 'TYPE', 'set'));
       cursor = next;
-      const old = keys.filter((key) => legacy.test(key));
+      const old = keys.filter(legacy.matches);
       if (old.length > 0) dropped += await this.command(() => this.redis.unlink(...old));
       await afterPage();
     } while (cursor !== '0');

@@ -31,9 +31,14 @@ export const poolKeys = (prefix: string, pool: string) => {
  */
 const KEY_LAYOUT = 3;
 
-/** A glob for the attribute SETs of key layout 2, in every pool (dropped by HoldStore.dropLegacyAttributeSets). */
-export function legacyAttributeSets(prefix: string): string {
-  return `${prefix}{*}:fa:*`;
+/**
+ * The attribute SETs of key layout 2, in every pool (dropped by HoldStore.dropLegacyAttributeSets): a glob to
+ * scan for, and the exact test of a name (the glob also matches other keys holding "}:fa:", as an idempotency
+ * key may).
+ */
+export function legacyAttributeSets(prefix: string): { glob: string; matches: (key: string) => boolean } {
+  const exact = new RegExp(`^${prefix.replace(/[.*+?^${}()|[\]\\]/g, '\\$&')}\\{[a-z0-9][a-z0-9_-]*\\}:fa:`);
+  return { glob: `${prefix}{*}:fa:*`, matches: (key) => exact.test(key) };
 }
 
 /** Present while Redis holds state rebuilt from Postgres; its absence means Redis was wiped. */

@@ -5,7 +5,8 @@ import { JobMutexRepository } from '../database/job-mutex.repository.js';
 import { ResourceRepository } from '../database/resource.repository.js';
 import { MetricsService } from '../metrics/metrics.service.js';
 import { PoolCatalog } from '../pools/pool-catalog.service.js';
-import { indexableAttributes, toCachedItem } from '../pools/pools.service.js';
+import { isStringRecord } from '../common/validators.js';
+import { toCachedItem } from '../pools/pools.service.js';
 import { HoldStore, TOMBSTONE_MS } from '../redis/hold-store.repository.js';
 
 const JOB = 'rebuild';
@@ -69,7 +70,7 @@ export class RebuildService {
         for (const pool of pools) {
           await this.holds.dropLegacyItemCache(pool.name);
           added += await this.rebuildPool(pool.id, pool.name, generation);
-          await this.mutex.tryAcquire(JOB, this.instanceId, LEASE_MS); // renew the lease between pools
+          await this.renewLease();
         }
         if ((await this.holds.getMarker()) === token || round === 3) break;
         this.logger.warn('Redis was wiped during the rebuild; rebuilding again');
@@ -116,7 +117,8 @@ export class RebuildService {
       if (Date.now() - readAt > PAGE_MAX_AGE_MS) continue; // too slow to trust: read the page again
       const indexable: typeof rows = [];
       const unindexable: typeof rows = [];
-      for (const row of rows) (indexableAttributes(row.attributes) ? indexable : unindexable).push(row);
+      // Postgres refuses other attributes since migration AttributesAreStrings; rows from before it may remain.
+      for (const row of rows) (isStringRecord(row.attributes) ? indexable : unindexable).push(row);
       if (unindexable.length > 0) this.reportUnindexable(pool, unindexable);
       added += await this.holds.addFree(pool, generation, indexable.map(toCachedItem));
       after = rows[rows.length - 1].id;

@@ -384,18 +384,19 @@ describe('reservations', () => {
     expect(await stats('filters')).toMatchObject({ free: 1, held: 3 });
   });
 
+  /** A pool of n items valued `<prefix><i in 7 digits>`, item i with the attributes `attributesOf(i)`. */
+  const seedNumbered = (pool: string, n: number, prefix: string, attributesOf: (i: number) => Record<string, string>) =>
+    seedPool(
+      api,
+      pool,
+      Array.from({ length: n }, (_, i) => ({ value: `${prefix}${String(i).padStart(7, '0')}`, attributes: attributesOf(i) })),
+    );
+
   it('filters with several conditions find their matches among hundreds of candidates: by intersection, or in value order', async () => {
     const upTo = (n: number) => Array.from({ length: n }, (_, i) => i);
     // Two attributes of about 200 items each that share 3: Redis counts the intersection, and the script
     // reads it whole.
-    await seedPool(
-      api,
-      'walk-sets',
-      upTo(400).map((i) => ({
-        value: `1380${String(i).padStart(7, '0')}`,
-        attributes: { ...(i < 200 && { a: 'x' }), ...(i >= 197 && { b: 'y' }) },
-      })),
-    );
+    await seedNumbered('walk-sets', 400, '1380', (i) => ({ ...(i < 200 && { a: 'x' }), ...(i >= 197 && { b: 'y' }) }));
     const sets = await reserve('walk-sets', { owner: 'o', count: 3, filter: { attributes: { a: 'x', b: 'y' } } });
     expect(sets.status).toBe(201);
     const numbered = sets.body.items.map((item: { value: string }) => Number(item.value.slice(4)));
@@ -404,16 +405,9 @@ describe('reservations', () => {
       'POOL_EXHAUSTED',
     );
 
-    // Two attributes of 800 and 600 items sharing 300, more than the script reads whole: it walks the smaller
-    // one's index in value order, past its first pages. Three reserves of 100 take exactly the 300; a fourth finds none.
-    await seedPool(
-      api,
-      'walk-dense',
-      upTo(1100).map((i) => ({
-        value: `1381${String(i).padStart(7, '0')}`,
-        attributes: { ...(i < 800 && { a: 'x' }), ...(i >= 500 && { b: 'y' }) },
-      })),
-    );
+    // Two attributes of 800 and 600 items sharing 300, more than the script reads whole: it reads the smaller
+    // one's index a window at a time. Three reserves of 100 take exactly the 300; a fourth finds none.
+    await seedNumbered('walk-dense', 1100, '1381', (i) => ({ ...(i < 800 && { a: 'x' }), ...(i >= 500 && { b: 'y' }) }));
     const taken: number[] = [];
     for (let i = 0; i < 3; i++) {
       const dense = await reserve('walk-dense', { owner: 'o', count: 100, filter: { attributes: { a: 'x', b: 'y' } } });
@@ -453,14 +447,7 @@ describe('reservations', () => {
   it('two attributes and a prefix matching 200 of 600 items spread over every window the script reads: two reserves of 100 take all 200', async () => {
     // Each attribute lists 400 items and both list every third one. The script reads one attribute's 400 in
     // windows, in random order, and the items it takes move the later windows: none may be skipped.
-    await seedPool(
-      api,
-      'windows',
-      Array.from({ length: 600 }, (_, i) => ({
-        value: `1370${String(i).padStart(7, '0')}`,
-        attributes: { ...(i % 3 !== 2 && { b: 'y' }), ...(i % 3 !== 1 && { c: 'z' }) },
-      })),
-    );
+    await seedNumbered('windows', 600, '1370', (i) => ({ ...(i % 3 !== 2 && { b: 'y' }), ...(i % 3 !== 1 && { c: 'z' }) }));
     const filter = { attributes: { b: 'y', c: 'z' }, valuePrefix: '1370' };
     const taken: number[] = [];
     for (let i = 0; i < 2; i++) {

@@ -19,11 +19,15 @@ export function serviceArgs(): string[] {
   return args;
 }
 
-function listens(port: number): Promise<boolean> {
+/** Listens on a loopback port (0: any) and closes again; the port it got, or null if it was taken. */
+function tryListen(port: number): Promise<number | null> {
   return new Promise((resolve) => {
     const server = net.createServer();
-    server.once('error', () => resolve(false));
-    server.listen(port, '127.0.0.1', () => server.close(() => resolve(true)));
+    server.once('error', () => resolve(null));
+    server.listen(port, '127.0.0.1', () => {
+      const { port: got } = server.address() as net.AddressInfo;
+      server.close(() => resolve(got));
+    });
   });
 }
 
@@ -48,17 +52,12 @@ export async function freePort(): Promise<number> {
   const from = 10_000;
   for (let attempt = 0; low > from + 1000 && attempt < 100; attempt++) {
     const port = from + Math.floor(Math.random() * (low - from));
-    if (await listens(port)) return port;
+    if ((await tryListen(port)) !== null) return port;
   }
   // No room below that range: any port the kernel finds free.
-  return new Promise((resolve, reject) => {
-    const server = net.createServer();
-    server.once('error', reject);
-    server.listen(0, '127.0.0.1', () => {
-      const { port } = server.address() as net.AddressInfo;
-      server.close(() => resolve(port));
-    });
-  });
+  const any = await tryListen(0);
+  if (any === null) throw new Error('no free loopback port');
+  return any;
 }
 
 /** A database URL of its own for one test file; the app creates the database on start. */

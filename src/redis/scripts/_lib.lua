@@ -140,10 +140,10 @@ local function decode_item(json)
 end
 
 -- A reservation's items decoded: the well-formed ones, and as many entries as the list has with the others
--- replaced by empty tables (to count them); nil, nil when its JSON is not a list.
+-- replaced by empty tables (to count them); {}, nil when its JSON is not a list.
 local function decode_items_safely(json)
   local ok, items = pcall(decode_items, json)
-  if not ok or type(items) ~= 'table' or (#items == 0 and next(items) ~= nil) then return nil, nil end
+  if not ok or type(items) ~= 'table' or (#items == 0 and next(items) ~= nil) then return {}, nil end
   local good, counted = {}, {}
   for i, item in ipairs(items) do
     if well_formed(item) then

@@ -141,6 +141,19 @@ if attr_json ~= '' then
     end
     local key = sources[walk].key
 
+    -- Considers the candidates that have the prefix; true if it considered any.
+    local function consider_all(candidates)
+      local considered = false
+      for _, m in ipairs(candidates) do
+        if #chosen >= count then break end
+        if string.sub(m, 1, #prefix) == prefix then
+          consider(m, sources[walk])
+          considered = true
+        end
+      end
+      return considered
+    end
+
     -- Considers the members of a window that every other attribute index lists and that have the prefix.
     local function consider_listed(members)
       local candidates = members
@@ -154,15 +167,7 @@ if attr_json ~= '' then
           candidates = listed
         end
       end
-      local considered = false
-      for _, m in ipairs(candidates) do
-        if #chosen >= count then break end
-        if string.sub(m, 1, #prefix) == prefix then
-          consider(m, sources[walk])
-          considered = true
-        end
-      end
-      return considered
+      return consider_all(candidates)
     end
 
     -- Fewer candidates than wanted (stale ones included): fewer match.
@@ -184,7 +189,7 @@ if attr_json ~= '' then
         card[#card + 1], card[#card + 2] = 'LIMIT', INTERSECTION_READ
         local left = redis.call(unpack(card))
         if left < INTERSECTION_READ then
-          if left >= count - #chosen then consider_listed(redis.call(unpack(inter))) end
+          if left >= count - #chosen then consider_all(redis.call(unpack(inter))) end
           break
         end
       end

@@ -44,9 +44,11 @@ for _, rid in ipairs(due) do
     if not counted or #items < #counted then
       redis.log(redis.LOG_WARNING, 'respool: reservation ' .. rid .. ' lists malformed items; expired without freeing them')
     end
-    work = work + writes(items or {})
-    freed = freed + free_items(base, rid, items or {})
-    redis.call('HSET', rkey, unpack(counted and uncount_into(base, r, counted, { 's', 'expired' }) or { 's', 'expired' }))
+    local fields = { 's', 'expired' }
+    if counted then uncount_into(base, r, counted, fields) end
+    work = work + writes(items)
+    freed = freed + free_items(base, rid, items)
+    redis.call('HSET', rkey, unpack(fields))
     redis.call('PEXPIRE', rkey, retention)
     redis.call('ZREM', exp, rid)
     expired = expired + 1
