@@ -17,6 +17,9 @@ const PAGE_MAX_AGE_MS = TOMBSTONE_MS / 6;
 
 export type RebuildReason = 'startup' | 'wiped' | 'periodic';
 
+/** The job changed hands while this instance held it (its lease ran out while the process was stalled). */
+class LeaseLost extends Error {}
+
 /**
  * Rebuilds the Redis free index from Postgres, the source of truth: every free row that is not under a
  * live hold goes back into the index. One instance at a time, elected by the t_job_mutex version CAS.
@@ -35,9 +38,14 @@ export class RebuildService {
     private readonly metrics: MetricsService,
   ) {}
 
-  /** Returns the number of items added to the index, or null when another instance holds the job. */
+  /**
+   * Returns the number of items added to the index, or null when another instance holds the job, or took it
+   * while this one stalled (it then stops where it noticed, and leaves the rest to that instance).
+   */
   async rebuild(reason: RebuildReason): Promise<number | null> {
-    if (!(await this.mutex.tryAcquire(JOB, this.instanceId, LEASE_MS))) return null;
+    const lease = await this.mutex.acquire(JOB, this.instanceId, LEASE_MS);
+    if (lease === null) return null;
+    this.lease = lease;
     this.lastRenewal = Date.now();
     const started = Date.now();
     try {
@@ -50,6 +58,9 @@ export class RebuildService {
       // The marker is written first with a token of this run: if Redis is wiped while we rebuild, the
       // token is gone at the end and the rebuild starts over.
       for (let round = 1; ; round++) {
+        // Round 2 or 3: the marker was not ours at the end of the round before. If another instance wrote it,
+        // having taken the job while this one stalled, the bump below would fence the holds taken since.
+        if (round > 1) await this.renewLease(true);
         // After a wipe, a new Redis generation: commits pinned before it can no longer land (the bump waits
         // for those in flight), so the items the rebuild hands out again are really free.
         const fresh = reason === 'wiped' || round > 1;
@@ -75,24 +86,40 @@ export class RebuildService {
         if ((await this.holds.getMarker()) === token || round === 3) break;
         this.logger.warn('Redis was wiped during the rebuild; rebuilding again');
       }
+      // Not over the marker of an instance that took the job meanwhile: it would take that for a wipe.
+      await this.renewLease(true);
       await this.holds.setMarker(`rebuilt:${new Date().toISOString()}`);
       this.metrics.rebuilds.inc({ reason });
       if (added > 0 || reason !== 'periodic') {
         this.logger.log(`rebuild (${reason}): ${added} free items re-indexed in ${Date.now() - started} ms`);
       }
       return added;
+    } catch (err) {
+      if (!(err instanceof LeaseLost)) throw err;
+      this.logger.warn(
+        `rebuild (${reason}) stopped after ${Date.now() - started} ms: its lease ran out while this instance stalled, ` +
+          'and another instance took the job',
+      );
+      return null;
     } finally {
       await this.mutex.release(JOB, this.instanceId).catch(() => undefined);
     }
   }
 
+  /** The version of the job's row this instance holds it at. */
+  private lease = '';
   private lastRenewal = 0;
 
-  /** Renews the job's lease if a few seconds passed since the last renewal (long walks call it often). */
-  private async renewLease(): Promise<void> {
-    if (Date.now() - this.lastRenewal < LEASE_MS / 6) return;
+  /**
+   * Renews the job's lease if a few seconds passed since the last renewal (long walks call it often), or
+   * `now`. Throws LeaseLost if the job changed hands since this instance took it.
+   */
+  private async renewLease(now = false): Promise<void> {
+    if (!now && Date.now() - this.lastRenewal < LEASE_MS / 6) return;
     this.lastRenewal = Date.now();
-    await this.mutex.tryAcquire(JOB, this.instanceId, LEASE_MS);
+    const renewed = await this.mutex.renew(JOB, this.instanceId, this.lease);
+    if (renewed === null) throw new LeaseLost();
+    this.lease = renewed;
   }
 
   /** Rows the scripts cannot index (written outside the API before Postgres refused them) stay out of Redis. */

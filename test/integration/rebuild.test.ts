@@ -4,6 +4,7 @@ import { DataSource } from 'typeorm';
 import { AttributesAreStrings1764300000000 } from '../../migrations/1764300000000-AttributesAreStrings.js';
 import { JobMutexRepository } from '../../src/database/job-mutex.repository.js';
 import { RebuildService } from '../../src/sweeper/rebuild.service.js';
+import { ResourceRepository } from '../../src/database/resource.repository.js';
 import { markerKey, poolKeys } from '../../src/redis/keys.js';
 import { HoldStore } from '../../src/redis/hold-store.repository.js';
 import { TestInstance, TestWorld, numbers, seedPool } from '../support/harness.js';
@@ -21,15 +22,22 @@ describe('rebuild of Redis from Postgres, one instance at a time', () => {
 
   it('t_job_mutex: the version CAS lets one holder in, until it releases or its lease runs out', async () => {
     const mutex = a.app.get(JobMutexRepository);
-    expect(await mutex.tryAcquire('test-job', 'instance-a', 60_000)).toBe(true);
-    expect(await mutex.tryAcquire('test-job', 'instance-b', 60_000)).toBe(false);
-    expect(await mutex.tryAcquire('test-job', 'instance-a', 60_000)).toBe(true); // renewal by the holder
+    expect(await mutex.acquire('test-job', 'instance-a', 60_000)).not.toBeNull();
+    expect(await mutex.acquire('test-job', 'instance-b', 60_000)).toBeNull();
+    expect(await mutex.acquire('test-job', 'instance-a', 60_000)).not.toBeNull(); // renewal by the holder
     await mutex.release('test-job', 'instance-a');
-    expect(await mutex.tryAcquire('test-job', 'instance-b', 60_000)).toBe(true);
+    const held = await mutex.acquire('test-job', 'instance-b', 60_000);
+    expect(held).not.toBeNull();
+    const renewed = await mutex.renew('test-job', 'instance-b', held!);
+    expect(renewed).not.toBeNull();
     await world.query(`UPDATE t_job_mutex SET update_time = now() - interval '2 minutes' WHERE job_type = 'test-job'`);
-    expect(await mutex.tryAcquire('test-job', 'instance-c', 60_000)).toBe(true); // the stale holder is replaced
+    expect(await mutex.acquire('test-job', 'instance-c', 60_000)).not.toBeNull(); // the stale holder is replaced
+    // Back from its stall, the old holder cannot renew: not while the new one holds the job, nor once it released it.
+    expect(await mutex.renew('test-job', 'instance-b', renewed!)).toBeNull();
+    await mutex.release('test-job', 'instance-c');
+    expect(await mutex.renew('test-job', 'instance-b', renewed!)).toBeNull();
     const [row] = await world.query(`SELECT holder, version::int AS version FROM t_job_mutex WHERE job_type = 'test-job'`);
-    expect(row).toEqual({ holder: 'instance-c', version: 5 });
+    expect(row).toEqual({ holder: null, version: 7 });
   });
 
   it('an instance that saw Redis wiped does not rebuild (nor fence holds) again once another instance has rebuilt', async () => {
@@ -41,7 +49,7 @@ describe('rebuild of Redis from Postgres, one instance at a time', () => {
 
   it('concurrent attempts elect exactly one instance', async () => {
     const attempts = await Promise.all(
-      Array.from({ length: 10 }, (_, i) => (i % 2 ? a : b).app.get(JobMutexRepository).tryAcquire('race', `i-${i}`, 60_000)),
+      Array.from({ length: 10 }, (_, i) => (i % 2 ? a : b).app.get(JobMutexRepository).acquire('race', `i-${i}`, 60_000)),
     );
     expect(attempts.filter(Boolean)).toHaveLength(1);
   });
@@ -60,7 +68,7 @@ describe('rebuild of Redis from Postgres, one instance at a time', () => {
 
     // While another instance holds the job, this one does not rebuild.
     const mutex = a.app.get(JobMutexRepository);
-    expect(await mutex.tryAcquire('rebuild', 'another-instance', 60_000)).toBe(true);
+    expect(await mutex.acquire('rebuild', 'another-instance', 60_000)).not.toBeNull();
     expect(await b.app.get(RebuildService).rebuild('periodic')).toBeNull();
     expect((await a.get('/v1/pools/rebuilt')).body.stats.free).toBe(0);
     await mutex.release('rebuild', 'another-instance');
@@ -92,6 +100,39 @@ describe('rebuild of Redis from Postgres, one instance at a time', () => {
       client.disconnect();
     }
     expect((await a.post('/v1/pools/gen-gone/reservations', { owner: 'n', count: 2 })).status).toBe(201);
+  });
+
+  it('a rebuild whose lease ran out while it stalled, and that another instance took, stops: no bump fences live holds', async () => {
+    await seedPool(a, 'stalled', numbers(3));
+    const r = await a.post('/v1/pools/stalled/reservations', { owner: 'buyer', count: 1 });
+    expect(r.status).toBe(201);
+    const [{ gen: before }] = await world.query(`SELECT gen::int AS gen FROM t_redis_generation`);
+    const resources = b.app.get(ResourceRepository);
+    const freePage = resources.freePage.bind(resources);
+    const { Redis } = await import('ioredis');
+    const client = new Redis(a.config.REDIS_URL);
+    // b reads its first page, then stalls for longer than its lease: a takes the job, rebuilds and lets it go.
+    let markerOfA: string | null = null;
+    const stall = vi.spyOn(resources, 'freePage').mockImplementationOnce(async (...args) => {
+      await world.query(`UPDATE t_job_mutex SET update_time = now() - interval '2 minutes' WHERE job_type = 'rebuild'`);
+      expect(await a.app.get(RebuildService).rebuild('periodic')).not.toBeNull();
+      markerOfA = await client.get(markerKey(world.prefix));
+      return freePage(...args);
+    });
+    try {
+      expect(await b.app.get(RebuildService).rebuild('periodic')).toBeNull();
+      expect(stall).toHaveBeenCalled();
+      // The marker b found at the end was a's, not its own: without its lease, that is no sign of a wipe.
+      expect(await world.query(`SELECT gen::int AS gen FROM t_redis_generation`)).toEqual([{ gen: before }]);
+      expect(markerOfA).toMatch(/^rebuilt:/);
+      expect(await client.get(markerKey(world.prefix))).toBe(markerOfA);
+    } finally {
+      stall.mockRestore();
+      client.disconnect();
+    }
+    // The hold taken before is still in the current generation: the buyer's confirm lands.
+    const confirm = await a.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [r.body.items[0].resourceId] });
+    expect(confirm.status).toBe(200);
   });
 
   it('an item under a live hold that has no cache entry (a new key layout) gets one, and is free again when the hold ends', async () => {
