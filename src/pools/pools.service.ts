@@ -85,7 +85,7 @@ export class PoolsService {
   async importResources(name: string, dto: ImportResourcesDto): Promise<ImportResultDto> {
     const pool = await this.catalog.get(name);
     // Fail before writing anything if Redis is down: new items must be reservable at once.
-    await this.holds.ping();
+    const readAt = await this.holds.clock();
     // A value given twice in one request is imported once, as given first.
     const byValue = new Map<string, NewResource>();
     for (const i of dto.items) {
@@ -94,7 +94,11 @@ export class PoolsService {
     const rows = await this.resources.insertMany(pool.id, [...byValue.values()]);
     try {
       const items = rows.map(({ id, value }) => toCachedItem({ id, version: 0, ...byValue.get(value)! }));
-      await this.holds.addFree(pool.name, await this.generations.current(), items);
+      if ((await this.holds.addFree(pool.name, await this.generations.current(), readAt, items)) === null) {
+        this.logger.warn(
+          `imported ${rows.length} items into "${pool.name}" too long before Redis could take them; the next rebuild adds them (RECONCILE_INTERVAL_MS)`,
+        );
+      }
     } catch (err) {
       // The rows are committed; the reconciler adds them to Redis once it is back.
       this.logger.warn(`imported ${rows.length} items into "${pool.name}" but could not index them in Redis: ${String(err)}`);
@@ -116,7 +120,7 @@ export class PoolsService {
 
   async releaseResource(name: string, id: string, owner: string): Promise<ResourceDto> {
     const pool = await this.catalog.get(name);
-    await this.holds.ping();
+    const readAt = await this.holds.clock();
     const row = await this.resources.release(pool.id, id, owner);
     if (!row) {
       const existing = await this.resources.findById(pool.id, id);
@@ -124,7 +128,11 @@ export class PoolsService {
       throw new DomainError(ErrorCode.NOT_ALLOCATED, `resource ${id} is not allocated to "${owner}"`, { resourceId: id, owner });
     }
     try {
-      await this.holds.addFree(pool.name, await this.generations.current(), [toCachedItem(row)]);
+      if ((await this.holds.addFree(pool.name, await this.generations.current(), readAt, [toCachedItem(row)])) === null) {
+        this.logger.warn(
+          `released resource ${id} of "${pool.name}" too long before Redis could take it; the next rebuild adds it (RECONCILE_INTERVAL_MS)`,
+        );
+      }
     } catch (err) {
       this.logger.warn(`released resource ${id} of "${pool.name}" but could not index it in Redis: ${String(err)}`);
     }

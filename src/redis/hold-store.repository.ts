@@ -93,6 +93,8 @@ type ScriptCall = (key: string, ...args: (string | number)[]) => Promise<unknown
 
 /** Tombstone of an allocated item: long enough that a rebuild page read before the commit cannot re-add it. */
 export const TOMBSTONE_MS = 60_000;
+/** addFree adds nothing from a Postgres read older than this (Redis' clock), well inside a tombstone's life. */
+export const READ_MAX_AGE_MS = TOMBSTONE_MS / 2;
 
 function loadScript(name: string): string {
   const lib = readFileSync(new URL('./scripts/_lib.lua', import.meta.url), 'utf8');
@@ -294,18 +296,28 @@ export class HoldStore implements OnApplicationShutdown {
   }
 
   /**
-   * Adds items that are free in Postgres to the free index; returns how many were not there yet.
-   * `generation` is the Redis generation current when Postgres was read.
+   * Adds items that are free in Postgres to the free index; returns how many were not there yet, or null if
+   * the read was too old by the time a chunk reached Redis (READ_MAX_AGE_MS): the caller stalled, and the rest
+   * was not added. `generation` is the Redis generation current when Postgres was read, `readAt` Redis' clock
+   * (clock()) taken before that read.
    */
-  async addFree(pool: string, generation: number, items: CachedItem[]): Promise<number> {
+  async addFree(pool: string, generation: number, readAt: number, items: CachedItem[]): Promise<number | null> {
     // One chunk at a time: each is one script, and Redis serves nothing else while it runs. Sent together,
     // the chunks of an import or a rebuild page would run back to back and hold up every other command.
     let added = 0;
     for (let i = 0; i < items.length; i += 500) {
       const chunk = items.slice(i, i + 500).map((item) => JSON.stringify(item));
-      added += await this.run<number>('add_free', pool, generation, ...chunk);
+      const reply = await this.run<number>('add_free', pool, generation, readAt, READ_MAX_AGE_MS, ...chunk);
+      if (reply < 0) return null;
+      added += reply;
     }
     return added;
+  }
+
+  /** Redis' clock in ms, to stamp a Postgres read with for addFree; like ping(), it fails if Redis is down. */
+  async clock(): Promise<number> {
+    const [seconds, micros] = await this.command(() => this.redis.time());
+    return Number(seconds) * 1000 + Math.floor(Number(micros) / 1000);
   }
 
   /**

@@ -7,13 +7,11 @@ import { MetricsService } from '../metrics/metrics.service.js';
 import { PoolCatalog } from '../pools/pool-catalog.service.js';
 import { isStringRecord } from '../common/validators.js';
 import { toCachedItem } from '../pools/pools.service.js';
-import { HoldStore, TOMBSTONE_MS } from '../redis/hold-store.repository.js';
+import { HoldStore } from '../redis/hold-store.repository.js';
 
 const JOB = 'rebuild';
 const LEASE_MS = 30_000;
 const PAGE = 5000;
-/** A page older than this is read again: an item allocated after the read is protected by its tombstone only that long. */
-const PAGE_MAX_AGE_MS = TOMBSTONE_MS / 6;
 
 export type RebuildReason = 'startup' | 'wiped' | 'periodic';
 
@@ -138,16 +136,22 @@ export class RebuildService {
     let added = 0;
     let after = '0';
     for (;;) {
-      const readAt = Date.now();
+      const readAt = await this.holds.clock();
       const rows = await this.resources.freePage(poolId, after, PAGE);
       if (rows.length === 0) return added;
-      if (Date.now() - readAt > PAGE_MAX_AGE_MS) continue; // too slow to trust: read the page again
       const indexable: typeof rows = [];
       const unindexable: typeof rows = [];
       // Postgres refuses other attributes since migration AttributesAreStrings; rows from before it may remain.
       for (const row of rows) (isStringRecord(row.attributes) ? indexable : unindexable).push(row);
       if (unindexable.length > 0) this.reportUnindexable(pool, unindexable);
-      added += await this.holds.addFree(pool, generation, indexable.map(toCachedItem));
+      // An item allocated after the read is kept out by its tombstone only for so long: a page that reached Redis
+      // later than that (this instance stalled) adds nothing, and is read again.
+      const page = await this.holds.addFree(pool, generation, readAt, indexable.map(toCachedItem));
+      if (page === null) {
+        this.logger.warn(`pool "${pool}": a rebuild page reached Redis too long after it was read; reading it again`);
+        continue;
+      }
+      added += page;
       after = rows[rows.length - 1].id;
       await this.renewLease(); // a pool of millions of items takes longer than one lease
     }

@@ -6,7 +6,7 @@ import { JobMutexRepository } from '../../src/database/job-mutex.repository.js';
 import { RebuildService } from '../../src/sweeper/rebuild.service.js';
 import { ResourceRepository } from '../../src/database/resource.repository.js';
 import { markerKey, poolKeys } from '../../src/redis/keys.js';
-import { HoldStore } from '../../src/redis/hold-store.repository.js';
+import { HoldStore, READ_MAX_AGE_MS, TOMBSTONE_MS } from '../../src/redis/hold-store.repository.js';
 import { TestInstance, TestWorld, numbers, seedPool } from '../support/harness.js';
 
 describe('rebuild of Redis from Postgres, one instance at a time', () => {
@@ -133,6 +133,49 @@ describe('rebuild of Redis from Postgres, one instance at a time', () => {
     // The hold taken before is still in the current generation: the buyer's confirm lands.
     const confirm = await a.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [r.body.items[0].resourceId] });
     expect(confirm.status).toBe(200);
+  });
+
+  it('a rebuild page that reaches Redis after an allocation it missed lost its tombstone (a stall) adds nothing, and is read again', async () => {
+    await seedPool(a, 'late-page', numbers(3));
+    const keys = poolKeys(world.prefix, 'late-page');
+    const holds = b.app.get(HoldStore);
+    const addFree = holds.addFree.bind(holds);
+    const { Redis } = await import('ioredis');
+    const client = new Redis(a.config.REDIS_URL);
+    let allocated = '';
+    // b has read the pool's page (every item free) and stalls before it reaches Redis: meanwhile an item is
+    // bought, and its allocation tombstone runs out, as it does after TOMBSTONE_MS.
+    const late = vi.spyOn(holds, 'addFree').mockImplementation(async (pool, generation, readAt, items) => {
+      if (pool !== 'late-page' || allocated) return addFree(pool, generation, readAt, items);
+      const r = await a.post('/v1/pools/late-page/reservations', { owner: 'buyer', count: 1 });
+      allocated = r.body.items[0].resourceId;
+      expect((await a.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [allocated] })).status).toBe(200);
+      expect(await client.get(keys.hold(allocated))).toMatch(/^A:/);
+      await client.del(keys.hold(allocated));
+      expect(items.map((item) => item.id)).toContain(allocated);
+      return addFree(pool, generation, readAt - TOMBSTONE_MS, items);
+    });
+    try {
+      expect(await b.app.get(RebuildService).rebuild('periodic')).not.toBeNull();
+      expect(allocated).not.toBe('');
+      // The late page added nothing; read again, it no longer lists the allocated item.
+      const free = (await client.zrange(keys.free, 0, -1)).map((m) => m.split('\0')[1]);
+      expect(free).toHaveLength(2);
+      expect(free).not.toContain(allocated);
+      // The fence itself, on a free item out of Redis: a read older than READ_MAX_AGE_MS adds nothing, a fresh one does.
+      const [row] = await world.query(`SELECT id::text AS id, value, version FROM t_resource WHERE id = $1`, [free[0]]);
+      const item = { id: row.id, v: row.value, n: row.version };
+      await client.zrem(keys.free, `${row.value}\0${row.id}`);
+      await client.hdel(keys.itemBucket(row.id), row.id);
+      const generation = Number(await client.get(keys.generation));
+      expect(await addFree('late-page', generation, (await holds.clock()) - READ_MAX_AGE_MS - 1000, [item])).toBeNull();
+      expect(await client.hget(keys.itemBucket(row.id), row.id)).toBeNull();
+      expect(await addFree('late-page', generation, await holds.clock(), [item])).toBe(1);
+      expect(await client.zcard(keys.free)).toBe(2);
+    } finally {
+      late.mockRestore();
+      client.disconnect();
+    }
   });
 
   it('an item under a live hold that has no cache entry (a new key layout) gets one, and is free again when the hold ends', async () => {

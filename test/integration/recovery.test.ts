@@ -114,7 +114,7 @@ describe('recovery: Redis wiped or down, Postgres down, an instance gone', () =>
     client.disconnect();
     await eventually(async () => (await stats('stale-page'))?.free === 1, 5000);
     // The late write arrives after the rebuild: its allocation tombstone was wiped, the generation fences it.
-    expect(await holds.addFree('stale-page', before, [stale])).toBe(0);
+    expect(await holds.addFree('stale-page', before, await holds.clock(), [stale])).toBe(0);
     const taken = await api.post('/v1/pools/stale-page/reservations', { owner: 'after', count: 2 });
     expect(taken.body.error.code).toBe('POOL_EXHAUSTED');
     const one = await api.post('/v1/pools/stale-page/reservations', { owner: 'after', count: 1 });
@@ -125,7 +125,7 @@ describe('recovery: Redis wiped or down, Postgres down, an instance gone', () =>
     const current = await admin.get(gen);
     await admin.del(gen);
     try {
-      expect(await holds.addFree('stale-page', Number(current), [stale])).toBe(0);
+      expect(await holds.addFree('stale-page', Number(current), await holds.clock(), [stale])).toBe(0);
       expect(await holds.holder('stale-page', held.resourceId)).toBeNull();
     } finally {
       await admin.set(gen, current!);

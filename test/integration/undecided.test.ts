@@ -27,6 +27,7 @@ describe('commits whose outcome the caller never saw', () => {
     const confirm = await stalledConfirm(api, 'died', r.body.id, id, 1200);
     // A rebuild reads its page now: the item is free in Postgres.
     const pool = await api.app.get(PoolRepository).findByName('died');
+    const readAt = await api.app.get(HoldStore).clock();
     const page = await api.app.get(ResourceRepository).freePage(pool!.id, '0', 100);
     const generation = await api.app.get(GenerationRepository).current();
     // The commit lands; the instance that made it dies before its Redis step. The commit window passes
@@ -34,7 +35,7 @@ describe('commits whose outcome the caller never saw', () => {
     expect(await confirm.land()).toBe('committed');
     await sleep(1500);
     // The page is written late: the pinned hold must still be there to keep the item out.
-    expect(await api.app.get(HoldStore).addFree('died', generation, page.map(toCachedItem))).toBe(0);
+    expect(await api.app.get(HoldStore).addFree('died', generation, readAt, page.map(toCachedItem))).toBe(0);
     const again = await api.post('/v1/pools/died/reservations', { owner: 'next', count: 1 });
     expect(again.body.error?.code).toBe('POOL_EXHAUSTED');
   });

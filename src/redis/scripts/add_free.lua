@@ -7,14 +7,20 @@
 -- since. Nothing is added to a pool without a generation key (wiped, not rebuilt yet: the rebuild writes the
 -- key, then reads Postgres again) nor to one whose generation is newer than the caller's read. An older
 -- key is raised to the caller's generation.
--- ARGV: 1 base, 2 Redis generation the caller read Postgres in, 3.. item JSON ({"id","v","n","g","a"})
--- Returns: number of items that were not in the free index before
-local base, generation = ARGV[1], tonumber(ARGV[2])
+-- Age fence: an allocation's tombstone lasts tombstone ms from its finish, which came after any read that saw the
+-- item free. A read older than that (its caller stalled between Postgres and Redis) could re-add an item allocated
+-- since, whose tombstone is gone: nothing is added once the read is older than the caller's limit, which is below
+-- the tombstone's life. Both times are Redis' own clock, so the hosts' clocks need not agree.
+-- ARGV: 1 base, 2 Redis generation the caller read Postgres in, 3 Redis' time (ms) before that read, 4 the oldest
+--       read accepted (ms), 5.. item JSON ({"id","v","n","g","a"})
+-- Returns: number of items that were not in the free index before, or -1 (nothing added) if the read is too old
+local base, generation, read_ms, max_age = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+if now_ms() - read_ms > max_age then return -1 end
 local current = redis.call('GET', base .. 'gen')
 if not current or tonumber(current) > generation then return 0 end
 if tonumber(current) < generation then redis.call('SET', base .. 'gen', generation) end
 local added = 0
-for i = 3, #ARGV do
+for i = 5, #ARGV do
   local json = ARGV[i]
   local item = cjson.decode(json)
   local hkey = base .. 'h:' .. item.id
