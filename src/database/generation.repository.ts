@@ -1,5 +1,5 @@
 import { Injectable } from '@nestjs/common';
-import { DataSource } from 'typeorm';
+import { DataSource, EntityManager } from 'typeorm';
 import { pg } from './postgres.js';
 
 /** pg_advisory lock key of the Redis generation: commits take it shared, the bump exclusive. */
@@ -18,11 +18,16 @@ export class GenerationRepository {
     return Number(rows[0].gen);
   }
 
-  /** Waits for every commit in flight (they hold the lock shared), then moves to a new generation. */
-  async bump(): Promise<number> {
+  /**
+   * Waits for every commit in flight (they hold the lock shared), then moves to a new generation. `fence` runs
+   * in the same transaction first (the rebuild renews its job lease there): if it answers false, nothing
+   * changes and the bump answers null.
+   */
+  async bump(fence: (tx: EntityManager) => Promise<boolean> = async () => true): Promise<number | null> {
     return pg(() =>
       this.db.transaction(async (tx) => {
         await tx.query(`SELECT pg_advisory_xact_lock($1)`, [GENERATION_LOCK]);
+        if (!(await fence(tx))) return null;
         const rows: { gen: string }[] = await tx.query(
           `WITH bumped AS (UPDATE t_redis_generation SET gen = gen + 1 RETURNING gen) SELECT gen::text AS gen FROM bumped`,
         );

@@ -1,5 +1,5 @@
 import { Injectable } from '@nestjs/common';
-import { DataSource } from 'typeorm';
+import { DataSource, EntityManager } from 'typeorm';
 import { pg } from './postgres.js';
 
 /**
@@ -35,19 +35,20 @@ export class JobMutexRepository {
   /**
    * Extends a lease held at `version`. Returns the new version, or null if the job changed hands since (its
    * lease ran out while this holder was paused, and another took it, even one that has released it again):
-   * the holder must then stop, because the other may have done, or be doing, the same work.
+   * the holder must then stop, because the other may have done, or be doing, the same work. Given `tx`, it runs
+   * in that transaction, so a write there lands only under the lease (and the lease stays locked until it ends).
    */
-  async renew(jobType: string, holder: string, version: string): Promise<string | null> {
-    return pg(() => this.bump(jobType, version, holder, true));
+  async renew(jobType: string, holder: string, version: string, tx?: EntityManager): Promise<string | null> {
+    return pg(() => this.bump(jobType, version, holder, true, tx));
   }
 
   /**
    * The version CAS: takes the row for `holder` with a fresh update_time if it is still at `version` (and, with
    * `held`, still `holder`'s). Returns the new version, or null.
    */
-  private async bump(jobType: string, version: string, holder: string, held = false): Promise<string | null> {
+  private async bump(jobType: string, version: string, holder: string, held = false, tx?: EntityManager): Promise<string | null> {
     // (TypeORM answers a bare UPDATE ... RETURNING with its affected count too; a CTE answers rows only.)
-    const won: { version: string }[] = await this.db.query(
+    const won: { version: string }[] = await (tx ?? this.db).query(
       `WITH won AS (
          UPDATE t_job_mutex SET version = version + 1, holder = $3, update_time = now()
           WHERE job_type = $1 AND version = $2 AND (NOT $4 OR holder = $3) RETURNING version

@@ -1,10 +1,11 @@
 import { Injectable, Logger } from '@nestjs/common';
 import { DomainError, ErrorCode } from '../common/errors.js';
-import { PoolEntity, RESOURCE_ALLOCATED } from '../database/entities.js';
+import { PoolEntity, RESOURCE_ALLOCATED, RESOURCE_FREE } from '../database/entities.js';
 import { GenerationRepository } from '../database/generation.repository.js';
 import { PoolRepository } from '../database/pool.repository.js';
 import { NewResource, ResourceRepository, ResourceRow } from '../database/resource.repository.js';
 import { isAllocationTombstone } from '../redis/keys.js';
+import { isStringRecord } from '../common/validators.js';
 import { CachedItem, HoldStore } from '../redis/hold-store.repository.js';
 import { PoolCatalog } from './pool-catalog.service.js';
 import { CreatePoolDto, ImportResourcesDto, ImportResultDto, PoolDto, PoolWithStatsDto, ResourceDto } from './pool.dto.js';
@@ -94,11 +95,7 @@ export class PoolsService {
     const rows = await this.resources.insertMany(pool.id, [...byValue.values()]);
     try {
       const items = rows.map(({ id, value }) => toCachedItem({ id, version: 0, ...byValue.get(value)! }));
-      if ((await this.holds.addFree(pool.name, await this.generations.current(), readAt, items)) === null) {
-        this.logger.warn(
-          `imported ${rows.length} items into "${pool.name}" too long before Redis could take them; the next rebuild adds them (RECONCILE_INTERVAL_MS)`,
-        );
-      }
+      await this.indexFree(pool, readAt, items);
     } catch (err) {
       // The rows are committed; the reconciler adds them to Redis once it is back.
       this.logger.warn(`imported ${rows.length} items into "${pool.name}" but could not index them in Redis: ${String(err)}`);
@@ -128,15 +125,31 @@ export class PoolsService {
       throw new DomainError(ErrorCode.NOT_ALLOCATED, `resource ${id} is not allocated to "${owner}"`, { resourceId: id, owner });
     }
     try {
-      if ((await this.holds.addFree(pool.name, await this.generations.current(), readAt, [toCachedItem(row)])) === null) {
-        this.logger.warn(
-          `released resource ${id} of "${pool.name}" too long before Redis could take it; the next rebuild adds it (RECONCILE_INTERVAL_MS)`,
-        );
-      }
+      await this.indexFree(pool, readAt, [toCachedItem(row)]);
     } catch (err) {
       this.logger.warn(`released resource ${id} of "${pool.name}" but could not index it in Redis: ${String(err)}`);
     }
     return toResourceDto(pool.name, row, 'free');
+  }
+
+  /**
+   * Adds items just made free in Postgres (imported, released) to Redis. `readAt` is Redis' clock before that
+   * write: if this instance stalled so long that Redis refuses it (HoldStore.addFree), the rows are read again.
+   */
+  private async indexFree(pool: PoolEntity, readAt: number, items: CachedItem[]): Promise<void> {
+    for (let attempt = 1; ; attempt++) {
+      if ((await this.holds.addFree(pool.name, await this.generations.current(), readAt, items)) !== null) return;
+      if (attempt === 3) {
+        this.logger.warn(`${items.length} free items of "${pool.name}" were not indexed in Redis (too slow); the next rebuild adds them`);
+        return;
+      }
+      readAt = await this.holds.clock();
+      const rows = await this.resources.findMany(
+        pool.id,
+        items.map((item) => item.id),
+      );
+      items = rows.filter((row) => row.state === RESOURCE_FREE && isStringRecord(row.attributes)).map(toCachedItem);
+    }
   }
 }
 

@@ -4,7 +4,7 @@ import type { Redis } from 'ioredis';
 import { AppConfig } from '../config/app-config.js';
 import { isRedisOutage } from '../common/dependency-errors.js';
 import { DomainError } from '../common/errors.js';
-import { freeMember, legacyAttributeSets, markerKey, poolKeys } from './keys.js';
+import { freeMember, legacyAttributeSets, markerKey, poolKeys, rebuildRunKey } from './keys.js';
 import { REDIS, REDIS_TIMEOUT_MESSAGE, withTimeout } from './redis.client.js';
 
 /**
@@ -93,6 +93,8 @@ type ScriptCall = (key: string, ...args: (string | number)[]) => Promise<unknown
 
 /** Tombstone of an allocated item: long enough that a rebuild page read before the commit cannot re-add it. */
 export const TOMBSTONE_MS = 60_000;
+/** A rebuild round's key outlives any round (a lingering one, of a round that died, expires). */
+const REBUILD_RUN_KEY_MS = 24 * 3600_000;
 /** addFree adds nothing from a Postgres read older than this (Redis' clock), well inside a tombstone's life. */
 export const READ_MAX_AGE_MS = TOMBSTONE_MS / 2;
 
@@ -272,15 +274,18 @@ export class HoldStore implements OnApplicationShutdown {
 
   /**
    * Settles a commit epoch Postgres recorded as aborted: held again while the hold is due, else expired
-   * with its items freed. `allocated` are items Postgres shows allocated, `fresh` those whose version moved on.
+   * with its items freed. `allocated` are items Postgres shows allocated, `fresh` those whose version moved on,
+   * both as Postgres showed them in a read made after Redis' clock said `readAt`; 'tooOld' (nothing changed)
+   * once that read is older than READ_MAX_AGE_MS, as in addFree.
    */
   async abort(
     pool: string,
     reservationId: string,
     epoch: number,
+    readAt: number,
     allocated: { id: string; version: number }[],
     fresh: CachedItem[],
-  ): Promise<'held' | 'expired' | 'stale'> {
+  ): Promise<'held' | 'expired' | 'stale' | 'tooOld'> {
     const reply = await this.run<number>(
       'abort',
       pool,
@@ -290,9 +295,11 @@ export class HoldStore implements OnApplicationShutdown {
       TOMBSTONE_MS,
       allocated.map((a) => `${a.id}:${a.version}`).join(','),
       this.config.HOLD_GRACE_MS,
+      readAt,
+      READ_MAX_AGE_MS,
       ...fresh.map((i) => JSON.stringify(i)),
     );
-    return reply === -2 ? 'held' : reply === -1 ? 'stale' : 'expired';
+    return reply === -3 ? 'tooOld' : reply === -2 ? 'held' : reply === -1 ? 'stale' : 'expired';
   }
 
   /**
@@ -379,8 +386,19 @@ export class HoldStore implements OnApplicationShutdown {
     await this.command(() => this.redis.set(markerKey(this.prefix), value));
   }
 
-  async getMarker(): Promise<string | null> {
-    return this.command(() => this.redis.get(markerKey(this.prefix)));
+  /**
+   * Starts a round of a rebuild: writes the marker, and the round's own key (see endRebuildRound). Not the
+   * marker's value tells a wipe: an instance that stalled past its lease may still write that.
+   */
+  async startRebuildRound(run: string, marker: string): Promise<void> {
+    await this.command(() =>
+      this.redis.multi().set(markerKey(this.prefix), marker).set(rebuildRunKey(this.prefix, run), '1', 'PX', REBUILD_RUN_KEY_MS).exec(),
+    );
+  }
+
+  /** Ends a round of a rebuild; false if its key is gone: Redis was wiped during the round. */
+  async endRebuildRound(run: string): Promise<boolean> {
+    return (await this.command(() => this.redis.del(rebuildRunKey(this.prefix, run)))) === 1;
   }
 
   /** Runs after the HTTP server has finished its in-flight requests. */

@@ -46,6 +46,11 @@ export function markerKey(prefix: string): string {
   return `${prefix}meta:rebuilt:${KEY_LAYOUT}`;
 }
 
+/** A key only one round of one rebuild writes (`run` names it), so that only a wipe of Redis removes it. */
+export function rebuildRunKey(prefix: string, run: string): string {
+  return `${prefix}meta:rebuild-run:${run}`;
+}
+
 /** The member an item has in the free index: value, NUL, id (sorted by value for prefix search). */
 export function freeMember(value: string, id: string): string {
   return `${value}\0${id}`;

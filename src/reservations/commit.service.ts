@@ -168,19 +168,25 @@ export class CommitService {
    * its items now: allocated ones stay out of the pool, the others go back (or stay held while the hold is due).
    */
   private async abortWithTruth(pool: PoolEntity, r: StoredReservation): Promise<'held' | 'expired' | 'stale'> {
-    const rows = await this.resources.findMany(
-      pool.id,
-      r.items.map((i) => i.id),
-    );
-    const byId = new Map(rows.map((row) => [row.id, row]));
-    const allocated: { id: string; version: number }[] = [];
-    const fresh: CachedItem[] = [];
-    for (const item of r.items) {
-      const row = byId.get(item.id);
-      if (row?.state === RESOURCE_ALLOCATED) allocated.push({ id: item.id, version: row.version });
-      else if (row && row.version !== item.n) fresh.push(toCachedItem(row));
+    for (let attempt = 1; ; attempt++) {
+      // Stamped before the read: Redis refuses what a read that is too old says (this instance stalled after it).
+      const readAt = await this.holds.clock();
+      const rows = await this.resources.findMany(
+        pool.id,
+        r.items.map((i) => i.id),
+      );
+      const byId = new Map(rows.map((row) => [row.id, row]));
+      const allocated: { id: string; version: number }[] = [];
+      const fresh: CachedItem[] = [];
+      for (const item of r.items) {
+        const row = byId.get(item.id);
+        if (row?.state === RESOURCE_ALLOCATED) allocated.push({ id: item.id, version: row.version });
+        else if (row && row.version !== item.n) fresh.push(toCachedItem(row));
+      }
+      const how = await this.holds.abort(pool.name, r.id, r.epoch, readAt, allocated, fresh);
+      if (how !== 'tooOld') return how;
+      if (attempt === 3) throw new Error(`settling the commit of ${r.id}: Postgres' answer reached Redis too late three times`);
     }
-    return this.holds.abort(pool.name, r.id, r.epoch, allocated, fresh);
   }
 
   /**

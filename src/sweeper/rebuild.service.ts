@@ -53,18 +53,16 @@ export class RebuildService {
       // No marker: Redis was wiped, or this version's key layout is new to it (the marker's name changed).
       if (reason === 'wiped') await this.holds.dropLegacyAttributeSets(() => this.renewLease());
       let added = 0;
-      // The marker is written first with a token of this run: if Redis is wiped while we rebuild, the
-      // token is gone at the end and the rebuild starts over.
       for (let round = 1; ; round++) {
-        // Round 2 or 3: the marker was not ours at the end of the round before. If another instance wrote it,
-        // having taken the job while this one stalled, the bump below would fence the holds taken since.
-        if (round > 1) await this.renewLease(true);
         // After a wipe, a new Redis generation: commits pinned before it can no longer land (the bump waits
         // for those in flight), so the items the rebuild hands out again are really free.
         const fresh = reason === 'wiped' || round > 1;
-        const generation = fresh ? await this.generations.bump() : await this.generations.current();
-        const token = `${generation} rebuilding:${this.instanceId}:${started}:${round}`;
-        await this.holds.setMarker(token);
+        const generation = fresh ? await this.bumpGeneration() : await this.generations.current();
+        // The marker tells the sweepers Redis holds rebuilt state. Whether Redis was wiped during this round, only
+        // the round's own key tells: the marker's value may be another instance's (one that stalled past its
+        // lease may still write it), and taking that for a wipe would bump the generation for nothing.
+        const run = `${this.instanceId}:${started}:${round}`;
+        await this.holds.startRebuildRound(run, `${generation} rebuilding:${run}`);
         const pools = await this.catalog.all();
         // Every pool gets the generation before any item is added, so no hold is taken in an older one. In
         // the current generation only over an existing key: a missing one means Redis was wiped after this
@@ -73,6 +71,7 @@ export class RebuildService {
         for (const pool of pools)
           intact = (await this.holds.setGeneration(pool.name, generation, fresh ? 'always' : 'ifPresent')) && intact;
         if (!intact) {
+          await this.holds.endRebuildRound(run);
           this.logger.warn('a pool has no Redis generation: Redis was wiped; rebuilding in a new generation');
           continue;
         }
@@ -81,7 +80,7 @@ export class RebuildService {
           added += await this.rebuildPool(pool.id, pool.name, generation);
           await this.renewLease();
         }
-        if ((await this.holds.getMarker()) === token || round === 3) break;
+        if ((await this.holds.endRebuildRound(run)) || round === 3) break;
         this.logger.warn('Redis was wiped during the rebuild; rebuilding again');
       }
       // Not over the marker of an instance that took the job meanwhile: it would take that for a wipe.
@@ -120,6 +119,22 @@ export class RebuildService {
     this.lease = renewed;
   }
 
+  /**
+   * Bumps the Redis generation in the transaction that renews the lease: an instance that stalled past its
+   * lease cannot bump it (that would fence every hold taken since, so their confirms would fail).
+   */
+  private async bumpGeneration(): Promise<number> {
+    let renewed: string | null = null;
+    const generation = await this.generations.bump(async (tx) => {
+      renewed = await this.mutex.renew(JOB, this.instanceId, this.lease, tx);
+      return renewed !== null;
+    });
+    if (generation === null || renewed === null) throw new LeaseLost();
+    this.lease = renewed;
+    this.lastRenewal = Date.now();
+    return generation;
+  }
+
   /** Rows the scripts cannot index (written outside the API before Postgres refused them) stay out of Redis. */
   private reportUnindexable(pool: string, rows: readonly { id: string }[]): void {
     const ids = rows
@@ -149,6 +164,7 @@ export class RebuildService {
       const page = await this.holds.addFree(pool, generation, readAt, indexable.map(toCachedItem));
       if (page === null) {
         this.logger.warn(`pool "${pool}": a rebuild page reached Redis too long after it was read; reading it again`);
+        await this.renewLease();
         continue;
       }
       added += page;

@@ -1,4 +1,5 @@
-import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { afterAll, beforeAll, describe, expect, it, vi } from 'vitest';
+import { HoldStore, READ_MAX_AGE_MS } from '../../src/redis/hold-store.repository.js';
 import { TestInstance, TestWorld, numbers, seedPool, sleep } from '../support/harness.js';
 
 describe('pools and resources', () => {
@@ -171,6 +172,30 @@ describe('pools and resources', () => {
     ]);
     expect((await api.post(`/v1/pools/give-back/resources/${id}/release`, {})).status).toBe(400);
     expect((await api.post('/v1/pools/give-back/resources/99999999/release', { owner: 'x' })).body.error.code).toBe('RESOURCE_NOT_FOUND');
+  });
+
+  it('an import or a release that reaches Redis too long after its Postgres write (a stall) reads the rows again: free at once', async () => {
+    const holds = api.app.get(HoldStore);
+    const addFree = holds.addFree.bind(holds);
+    // The first write of each call arrives as if this instance had stalled past READ_MAX_AGE_MS after the read.
+    const late = vi
+      .spyOn(holds, 'addFree')
+      .mockImplementation(async (pool, generation, readAt, items) =>
+        addFree(pool, generation, late.mock.calls.length % 2 === 1 ? readAt - READ_MAX_AGE_MS - 1000 : readAt, items),
+      );
+    try {
+      await seedPool(api, 'stalled-import', numbers(3));
+      expect(late).toHaveBeenCalledTimes(2);
+      expect((await api.get('/v1/pools/stalled-import')).body.stats).toMatchObject({ free: 3 });
+      const r = await api.post('/v1/pools/stalled-import/reservations', { owner: 'o', count: 1 });
+      const id = r.body.items[0].resourceId;
+      await api.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [id] });
+      expect((await api.post(`/v1/pools/stalled-import/resources/${id}/release`, { owner: 'o' })).status).toBe(200);
+      expect(late).toHaveBeenCalledTimes(4);
+      expect((await api.get('/v1/pools/stalled-import')).body.stats).toMatchObject({ free: 3, allocated: 0 });
+    } finally {
+      late.mockRestore();
+    }
   });
 
   it('a body over the limit is 413 PAYLOAD_TOO_LARGE and inserts nothing', async () => {

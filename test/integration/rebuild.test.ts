@@ -5,6 +5,7 @@ import { AttributesAreStrings1764300000000 } from '../../migrations/176430000000
 import { JobMutexRepository } from '../../src/database/job-mutex.repository.js';
 import { RebuildService } from '../../src/sweeper/rebuild.service.js';
 import { ResourceRepository } from '../../src/database/resource.repository.js';
+import { GenerationRepository } from '../../src/database/generation.repository.js';
 import { markerKey, poolKeys } from '../../src/redis/keys.js';
 import { HoldStore, READ_MAX_AGE_MS, TOMBSTONE_MS } from '../../src/redis/hold-store.repository.js';
 import { TestInstance, TestWorld, numbers, seedPool } from '../support/harness.js';
@@ -135,6 +136,56 @@ describe('rebuild of Redis from Postgres, one instance at a time', () => {
     expect(confirm.status).toBe(200);
   });
 
+  it("another instance's marker, written during a rebuild (as one that stalled past its lease may), is not taken for a wipe", async () => {
+    await seedPool(a, 'foreign-marker', numbers(2));
+    const r = await a.post('/v1/pools/foreign-marker/reservations', { owner: 'buyer', count: 1 });
+    const [{ gen: before }] = await world.query(`SELECT gen::int AS gen FROM t_redis_generation`);
+    const resources = b.app.get(ResourceRepository);
+    const freePage = resources.freePage.bind(resources);
+    const overwrite = vi.spyOn(resources, 'freePage').mockImplementationOnce(async (...args) => {
+      await a.app.get(HoldStore).setMarker(`${before} rebuilding:another-instance:1:1`);
+      return freePage(...args);
+    });
+    try {
+      expect(await b.app.get(RebuildService).rebuild('periodic')).not.toBeNull();
+      expect(overwrite).toHaveBeenCalled();
+    } finally {
+      overwrite.mockRestore();
+    }
+    expect(await world.query(`SELECT gen::int AS gen FROM t_redis_generation`)).toEqual([{ gen: before }]);
+    expect((await a.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [r.body.items[0].resourceId] })).status).toBe(200);
+  });
+
+  it('a rebuild that stalled past its lease cannot bump the generation: the bump renews the lease in its transaction', async () => {
+    await seedPool(a, 'fenced-bump', numbers(2));
+    const genKey = poolKeys(world.prefix, 'fenced-bump').generation;
+    const [{ gen: before }] = await world.query(`SELECT gen::int AS gen FROM t_redis_generation`);
+    const { Redis } = await import('ioredis');
+    const client = new Redis(a.config.REDIS_URL);
+    const generations = b.app.get(GenerationRepository);
+    const bump = generations.bump.bind(generations);
+    // The pool's generation key is gone (a wipe, as far as b can tell), so b's rebuild starts a round in a new
+    // generation. Right before the bump, whatever b checked before, b stalls past its lease and another instance
+    // takes the job.
+    const stall = vi.spyOn(generations, 'bump').mockImplementationOnce(async (fence) => {
+      await world.query(`UPDATE t_job_mutex SET update_time = now() - interval '2 minutes' WHERE job_type = 'rebuild'`);
+      expect(await a.app.get(JobMutexRepository).acquire('rebuild', 'another-instance', 60_000)).not.toBeNull();
+      return bump(fence);
+    });
+    try {
+      await client.del(genKey);
+      expect(await b.app.get(RebuildService).rebuild('periodic')).toBeNull();
+      expect(stall).toHaveBeenCalled();
+      expect(await world.query(`SELECT gen::int AS gen FROM t_redis_generation`)).toEqual([{ gen: before }]);
+    } finally {
+      stall.mockRestore();
+      await a.app.get(JobMutexRepository).release('rebuild', 'another-instance');
+      await client.set(genKey, String(before));
+      client.disconnect();
+    }
+    expect((await a.post('/v1/pools/fenced-bump/reservations', { owner: 'n', count: 2 })).status).toBe(201);
+  });
+
   it('a rebuild page that reaches Redis after an allocation it missed lost its tombstone (a stall) adds nothing, and is read again', async () => {
     await seedPool(a, 'late-page', numbers(3));
     const keys = poolKeys(world.prefix, 'late-page');
@@ -153,7 +204,9 @@ describe('rebuild of Redis from Postgres, one instance at a time', () => {
       expect(await client.get(keys.hold(allocated))).toMatch(/^A:/);
       await client.del(keys.hold(allocated));
       expect(items.map((item) => item.id)).toContain(allocated);
-      return addFree(pool, generation, readAt - TOMBSTONE_MS, items);
+      // The read is older than the fence allows, and the tombstone it missed is gone: the fence must be shorter.
+      expect(READ_MAX_AGE_MS).toBeLessThan(TOMBSTONE_MS);
+      return addFree(pool, generation, readAt - READ_MAX_AGE_MS - 1000, items);
     });
     try {
       expect(await b.app.get(RebuildService).rebuild('periodic')).not.toBeNull();

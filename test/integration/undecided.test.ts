@@ -3,7 +3,7 @@ import { PoolRepository } from '../../src/database/pool.repository.js';
 import { GenerationRepository } from '../../src/database/generation.repository.js';
 import { ResourceRepository } from '../../src/database/resource.repository.js';
 import { toCachedItem } from '../../src/pools/pools.service.js';
-import { HoldStore } from '../../src/redis/hold-store.repository.js';
+import { HoldStore, READ_MAX_AGE_MS } from '../../src/redis/hold-store.repository.js';
 import { CommitService } from '../../src/reservations/commit.service.js';
 import { TestInstance, TestWorld, numbers, seedPool, sleep, stalledConfirm } from '../support/harness.js';
 
@@ -38,6 +38,25 @@ describe('commits whose outcome the caller never saw', () => {
     expect(await api.app.get(HoldStore).addFree('died', generation, readAt, page.map(toCachedItem))).toBe(0);
     const again = await api.post('/v1/pools/died/reservations', { owner: 'next', count: 1 });
     expect(again.body.error?.code).toBe('POOL_EXHAUSTED');
+  });
+
+  it('an abort whose Postgres read is too old (its instance stalled after the read) changes nothing', async () => {
+    await seedPool(api, 'old-abort', numbers(2));
+    const r = await api.post('/v1/pools/old-abort/reservations', { owner: 'o', count: 1 });
+    const id = r.body.items[0].resourceId;
+    const holds = api.app.get(HoldStore);
+    const pin = await holds.pin('old-abort', r.body.id, [id], 5000);
+    if (pin.status !== 'pinned') throw new Error(`pin: ${pin.status}`);
+    const epoch = pin.reservation.epoch;
+    // Postgres said the item moved on to version 7, in a read older than the fence allows: Redis takes none of it.
+    const moved = { id, v: r.body.items[0].value, n: 7 };
+    const old = (await holds.clock()) - READ_MAX_AGE_MS - 1000;
+    expect(await holds.abort('old-abort', r.body.id, epoch, old, [], [moved])).toBe('tooOld');
+    expect((await holds.read('old-abort', r.body.id))?.state).toBe('confirming');
+    expect(await holds.holder('old-abort', id)).toBe(r.body.id);
+    // The same answer, read just now, settles it.
+    expect(await holds.abort('old-abort', r.body.id, epoch, await holds.clock(), [], [moved])).toBe('expired');
+    expect((await holds.read('old-abort', r.body.id))?.state).toBe('expired');
   });
 
   it('a reservation released after a confirm whose commit landed unseen is confirmed, not released', async () => {

@@ -3,17 +3,21 @@
 -- may retry; after expiry it becomes expired and its items return to the free index, with what Postgres
 -- says now: items allocated there get an allocation tombstone instead, items whose version moved on are
 -- re-cached with the new version.
+-- What Postgres said is fenced by its age, as in add_free: a read older than the caller's limit (it stalled after
+-- it) may have missed an allocation whose tombstone is gone, and changes nothing.
 -- ARGV: 1 base, 2 rid, 3 epoch, 4 retention ms, 5 tombstone ms, 6 items allocated in Postgres ("id:version", comma
---       separated), 7 grace ms (see reserve), 8.. fresh item JSON for items whose version changed
+--       separated), 7 grace ms (see reserve), 8 Redis' time (ms) before the Postgres read, 9 the oldest read
+--       accepted (ms), 10.. fresh item JSON for items whose version changed
 -- Returns: items returned to the free index, -1 if the epoch is no longer the reservation's open one,
---          -2 if the reservation is held again
+--          -2 if the reservation is held again, -3 if the read is too old
 local base, rid, epoch, retention, tombstone_ms = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5])
 local grace = tonumber(ARGV[7])
+local now = now_ms()
+if now - tonumber(ARGV[8]) > tonumber(ARGV[9]) then return -3 end
 local rkey = base .. 'r:' .. rid
 local r = read_reservation(rkey) or {}
 if (r.s ~= 'confirming' and r.s ~= 'held') or r.ep ~= epoch then return -1 end
 local items = decode_items(r.i)
-local now = now_ms()
 
 local allocated = {}
 for entry in string.gmatch(ARGV[6], '[^,]+') do
@@ -21,7 +25,7 @@ for entry in string.gmatch(ARGV[6], '[^,]+') do
   allocated[string.sub(entry, 1, sep - 1)] = string.sub(entry, sep + 1)
 end
 local fresh = {}
-for i = 8, #ARGV do
+for i = 10, #ARGV do
   local item = cjson.decode(ARGV[i])
   fresh[item.id] = { item = item, json = ARGV[i] }
 end
