@@ -19,7 +19,8 @@ if now_ms() - read_ms > max_age then return -1 end
 local current = redis.call('GET', base .. 'gen')
 if not current or tonumber(current) > generation then return 0 end
 if tonumber(current) < generation then redis.call('SET', base .. 'gen', generation) end
-local added = 0
+-- The items nobody holds, indexed together at the end (one ZADD on the free index for all of them).
+local free = {}
 for i = 5, #ARGV do
   local json = ARGV[i]
   local item = cjson.decode(json)
@@ -35,8 +36,8 @@ for i = 5, #ARGV do
     local cached = decode_item(item_get(base, item.id))
     if not cached or cached.n <= item.n then
       item_set(base, item.id, json)
-      if not holder then added = added + index(base, item) end
+      if not holder then free[#free + 1] = item end
     end
   end
 end
-return added
+return index_all(base, free)
