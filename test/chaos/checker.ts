@@ -103,7 +103,7 @@ export async function check(log: Exchange[], windows: FaultWindow[], databaseUrl
       else if (e.expiresAt - e.sentAt < LATE_SEND_MS && e.doneAt > e.expiresAt) counts.maybeLate++;
       else {
         violations.push(
-          `hold not honoured: ${e.op} ${e.path} sent at ${new Date(e.sentAt).toISOString()}, ${e.expiresAt - e.sentAt} ms before expiry, reserved at ${new Date(e.reservationCreatedAt ?? 0).toISOString()}, on ${e.instance}: ${e.status} ${JSON.stringify(e.answer)}`,
+          `hold not honoured: ${e.op} ${e.path} sent at ${new Date(e.sentAt).toISOString()}, ${e.expiresAt - e.sentAt} ms before expiry, reserved at ${new Date(e.reservationCreatedAt ?? 0).toISOString()}, on ${e.instance}, answered ${e.doneAt - e.sentAt} ms after it was sent: ${e.status} ${JSON.stringify(e.answer)}`,
         );
         for (const id of (e.answer as { error?: { details?: { resourceIds?: string[] } } })?.error?.details?.resourceIds ?? [])
           lostItems.add(id);
