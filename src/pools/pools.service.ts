@@ -137,13 +137,16 @@ export class PoolsService {
    * write: if this instance stalled so long that Redis refuses it (HoldStore.addFree), the rows are read again.
    */
   private async indexFree(pool: PoolEntity, readAt: number, items: CachedItem[]): Promise<void> {
+    let generation = await this.generations.current();
     for (let attempt = 1; ; attempt++) {
-      if ((await this.holds.addFree(pool.name, await this.generations.current(), readAt, items)) !== null) return;
+      if ((await this.holds.addFree(pool.name, generation, readAt, items)) !== null) return;
       if (attempt === 3) {
         this.logger.warn(`${items.length} free items of "${pool.name}" were not indexed in Redis (too slow); the next rebuild adds them`);
         return;
       }
+      // Both before the read: the generation fences a read from before a wipe, the clock a stall after it.
       readAt = await this.holds.clock();
+      generation = await this.generations.current();
       const rows = await this.resources.findMany(
         pool.id,
         items.map((item) => item.id),

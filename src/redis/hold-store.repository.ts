@@ -87,7 +87,7 @@ export interface SweepResult {
   stalled: string[];
 }
 
-const SCRIPTS = ['reserve', 'read', 'pin', 'unpin', 'finish', 'release', 'extend', 'sweep', 'abort', 'add_free'] as const;
+const SCRIPTS = ['reserve', 'read', 'pin', 'unpin', 'finish', 'release', 'extend', 'sweep', 'abort', 'add_free', 'set_generation'] as const;
 type ScriptName = (typeof SCRIPTS)[number];
 type ScriptCall = (key: string, ...args: (string | number)[]) => Promise<unknown>;
 
@@ -330,18 +330,11 @@ export class HoldStore implements OnApplicationShutdown {
   /**
    * Writes the pool's Redis generation: `always` (a rebuild in a new generation), `ifMissing` (a new pool),
    * `ifPresent` (a rebuild in the current generation: a missing key means Redis was wiped since, and the
-   * old generation must not be written into the new Redis). Returns whether the key was written.
+   * old generation must not be written into the new Redis). Never over a newer generation (one a newer
+   * rebuild wrote while this instance stalled). Returns whether the key now holds `generation`.
    */
   async setGeneration(pool: string, generation: number, mode: 'always' | 'ifMissing' | 'ifPresent'): Promise<boolean> {
-    const key = poolKeys(this.prefix, pool).generation;
-    const reply = await this.command(() =>
-      mode === 'always'
-        ? this.redis.set(key, generation)
-        : mode === 'ifMissing'
-          ? this.redis.set(key, generation, 'NX')
-          : this.redis.set(key, generation, 'XX'),
-    );
-    return reply === 'OK';
+    return (await this.run<number>('set_generation', pool, generation, mode)) === 1;
   }
 
   /** Drops the item cache of key layout 1 (one hash a pool), if an older version left it behind. */
@@ -391,9 +384,9 @@ export class HoldStore implements OnApplicationShutdown {
    * marker's value tells a wipe: an instance that stalled past its lease may still write that.
    */
   async startRebuildRound(run: string, marker: string): Promise<void> {
-    await this.command(() =>
-      this.redis.multi().set(markerKey(this.prefix), marker).set(rebuildRunKey(this.prefix, run), '1', 'PX', REBUILD_RUN_KEY_MS).exec(),
-    );
+    // Two commands, not a MULTI: the keys need not share a Redis Cluster slot.
+    await this.command(() => this.redis.set(rebuildRunKey(this.prefix, run), '1', 'PX', REBUILD_RUN_KEY_MS));
+    await this.command(() => this.redis.set(markerKey(this.prefix), marker));
   }
 
   /** Ends a round of a rebuild; false if its key is gone: Redis was wiped during the round. */

@@ -185,7 +185,13 @@ export class CommitService {
       }
       const how = await this.holds.abort(pool.name, r.id, r.epoch, readAt, allocated, fresh);
       if (how !== 'tooOld') return how;
-      if (attempt === 3) throw new Error(`settling the commit of ${r.id}: Postgres' answer reached Redis too late three times`);
+      if (attempt === 3) {
+        // Nothing changed in Redis; the caller may retry (a confirm answers 503, the sweeper tries again).
+        throw DomainError.unavailable(
+          'redis',
+          new Error(`settling the commit of ${r.id}: Postgres' answer reached Redis too late three times`),
+        );
+      }
     }
   }
 

@@ -184,6 +184,13 @@ describe('rebuild of Redis from Postgres, one instance at a time', () => {
       client.disconnect();
     }
     expect((await a.post('/v1/pools/fenced-bump/reservations', { owner: 'n', count: 2 })).status).toBe(201);
+    // Nor can it put back an older generation than a newer rebuild wrote, in any mode.
+    const holds = a.app.get(HoldStore);
+    for (const mode of ['always', 'ifPresent'] as const) expect(await holds.setGeneration('fenced-bump', before - 1, mode)).toBe(false);
+    expect(await holds.setGeneration('fenced-bump', before, 'ifPresent')).toBe(true);
+    const check = new (await import('ioredis')).Redis(a.config.REDIS_URL);
+    expect(await check.get(genKey)).toBe(String(before));
+    check.disconnect();
   });
 
   it('a rebuild page that reaches Redis after an allocation it missed lost its tombstone (a stall) adds nothing, and is read again', async () => {
