@@ -29,6 +29,7 @@ import { fileURLToPath } from 'node:url';
 import { randomUUID } from 'node:crypto';
 import { Redis } from 'ioredis';
 import { poolKeys } from '../src/redis/keys.js';
+import { redisNowMs } from '../src/redis/redis.client.js';
 import { deleteKeys } from '../test/support/services.js';
 import { READ_MAX_AGE_MS, type CachedItem } from '../src/redis/hold-store.repository.js';
 import { AppConfig } from '../src/config/app-config.js';
@@ -78,9 +79,8 @@ async function populate(pool: string, size: number): Promise<number> {
   for (let i = 0; i < size; i += 500) {
     const items: CachedItem[] = [];
     for (let j = i; j < Math.min(size, i + 500); j++) items.push({ id: idOf(j), v: valueOf(j), n: 0 });
-    const [seconds, micros] = await redis.time(); // the script's age fence: a read stamped by Redis' clock now
-    const readAt = Number(seconds) * 1000 + Math.floor(Number(micros) / 1000);
-    await call.rp_add_free(keys.free, keys.base, 1, readAt, READ_MAX_AGE_MS, ...items.map((item) => JSON.stringify(item)));
+    // The script's age fence: a read stamped by Redis' clock now.
+    await call.rp_add_free(keys.free, keys.base, 1, await redisNowMs(redis), READ_MAX_AGE_MS, ...items.map((item) => JSON.stringify(item)));
   }
   return ((await usedMemory()) - before) / size;
 }

@@ -5,7 +5,7 @@ import { AppConfig } from '../config/app-config.js';
 import { isRedisOutage } from '../common/dependency-errors.js';
 import { DomainError } from '../common/errors.js';
 import { freeMember, legacyAttributeSets, markerKey, poolKeys, rebuildRunKey } from './keys.js';
-import { REDIS, REDIS_TIMEOUT_MESSAGE, withTimeout } from './redis.client.js';
+import { REDIS, REDIS_TIMEOUT_MESSAGE, redisNowMs, withTimeout } from './redis.client.js';
 
 /**
  * An item as Redis caches it: the JSON stored in the item hash, in reservations and in imports. The
@@ -323,8 +323,7 @@ export class HoldStore implements OnApplicationShutdown {
 
   /** Redis' clock in ms, to stamp a Postgres read with for addFree; like ping(), it fails if Redis is down. */
   async clock(): Promise<number> {
-    const [seconds, micros] = await this.command(() => this.redis.time());
-    return Number(seconds) * 1000 + Math.floor(Number(micros) / 1000);
+    return this.command(() => redisNowMs(this.redis));
   }
 
   /**

@@ -32,6 +32,12 @@ export function createRedis(config: AppConfig): Redis {
 /** The error of a command that got no answer in time. It may still run in Redis, or have run. */
 export const REDIS_TIMEOUT_MESSAGE = 'Command timed out';
 
+/** Redis' clock in ms from a TIME reply (seconds, microseconds), as the scripts' now_ms() reads it. */
+export async function redisNowMs(redis: Pick<Redis, 'time'>): Promise<number> {
+  const [seconds, micros] = await redis.time();
+  return Number(seconds) * 1000 + Math.floor(Number(micros) / 1000);
+}
+
 /**
  * `command`'s outcome, or a REDIS_TIMEOUT_MESSAGE error once `ms` have passed without one. The timeout's
  * verdict waits for the next check phase of the event loop (setImmediate), after the sockets were read.

@@ -114,9 +114,14 @@ export class RebuildService {
   private async renewLease(now = false): Promise<void> {
     if (!now && Date.now() - this.lastRenewal < LEASE_MS / 6) return;
     this.lastRenewal = Date.now();
-    const renewed = await this.mutex.renew(JOB, this.instanceId, this.lease);
+    this.keep(await this.mutex.renew(JOB, this.instanceId, this.lease));
+  }
+
+  /** Holds the job at the version a renewal gave, or throws LeaseLost if there was none. */
+  private keep(renewed: string | null): void {
     if (renewed === null) throw new LeaseLost();
     this.lease = renewed;
+    this.lastRenewal = Date.now();
   }
 
   /**
@@ -124,15 +129,13 @@ export class RebuildService {
    * lease cannot bump it (that would fence every hold taken since, so their confirms would fail).
    */
   private async bumpGeneration(): Promise<number> {
-    let renewed: string | null = null;
+    let renewed = null as string | null;
     const generation = await this.generations.bump(async (tx) => {
       renewed = await this.mutex.renew(JOB, this.instanceId, this.lease, tx);
       return renewed !== null;
     });
-    if (generation === null || renewed === null) throw new LeaseLost();
-    this.lease = renewed;
-    this.lastRenewal = Date.now();
-    return generation;
+    this.keep(generation === null ? null : renewed);
+    return generation!;
   }
 
   /** Rows the scripts cannot index (written outside the API before Postgres refused them) stay out of Redis. */
