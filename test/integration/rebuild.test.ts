@@ -193,6 +193,34 @@ describe('rebuild of Redis from Postgres, one instance at a time', () => {
     check.disconnect();
   });
 
+  it('a rebuild whose pages keep reaching Redis too late (it keeps stalling) stops once another instance took the job', async () => {
+    await seedPool(a, 'always-late', numbers(2));
+    const holds = b.app.get(HoldStore);
+    const addFree = holds.addFree.bind(holds);
+    let refused = 0;
+    // Every page of this pool arrives too long after its read; after the first one, b's lease runs out and a takes the job.
+    const late = vi.spyOn(holds, 'addFree').mockImplementation(async (pool, generation, readAt, items) => {
+      if (pool !== 'always-late') return addFree(pool, generation, readAt, items);
+      if (refused++ === 0) {
+        await world.query(`UPDATE t_job_mutex SET update_time = now() - interval '2 minutes' WHERE job_type = 'rebuild'`);
+        expect(await a.app.get(JobMutexRepository).acquire('rebuild', 'another-instance', 60_000)).not.toBeNull();
+      }
+      return addFree(pool, generation, readAt - READ_MAX_AGE_MS - 1000, items);
+    });
+    try {
+      // Reading the page again and again, b still renews its lease now and then: it finds the job gone and stops.
+      const rebuild = b.app.get(RebuildService).rebuild('periodic');
+      const outcome = await Promise.race([rebuild, new Promise((r) => setTimeout(() => r('still reading'), 15_000))]);
+      expect(outcome).toBeNull();
+      expect(refused).toBeGreaterThan(1);
+      const [row] = await world.query(`SELECT holder FROM t_job_mutex WHERE job_type = 'rebuild'`);
+      expect(row).toEqual({ holder: 'another-instance' });
+    } finally {
+      late.mockRestore();
+      await a.app.get(JobMutexRepository).release('rebuild', 'another-instance');
+    }
+  });
+
   it('a rebuild page that reaches Redis after an allocation it missed lost its tombstone (a stall) adds nothing, and is read again', async () => {
     await seedPool(a, 'late-page', numbers(3));
     const keys = poolKeys(world.prefix, 'late-page');

@@ -1,11 +1,11 @@
-import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { afterAll, beforeAll, describe, expect, it, vi } from 'vitest';
 import { PoolRepository } from '../../src/database/pool.repository.js';
 import { GenerationRepository } from '../../src/database/generation.repository.js';
 import { ResourceRepository } from '../../src/database/resource.repository.js';
 import { toCachedItem } from '../../src/pools/pools.service.js';
 import { HoldStore, READ_MAX_AGE_MS } from '../../src/redis/hold-store.repository.js';
 import { CommitService } from '../../src/reservations/commit.service.js';
-import { TestInstance, TestWorld, numbers, seedPool, sleep, stalledConfirm } from '../support/harness.js';
+import { TestInstance, TestWorld, eventually, numbers, seedPool, sleep, stalledConfirm } from '../support/harness.js';
 
 // Invariants 1 and 3 when a commit landed in Postgres but its caller never saw the answer (the instance
 // died after the commit, or the connection dropped): its items stay out of the pool until Postgres'
@@ -168,5 +168,84 @@ describe('commits whose outcome the caller never saw', () => {
     const second = await stalledConfirm(api, 'reselect', r.body.id, y, 5000);
     expect(second.pinned.reservation.epoch).toBe(first.pinned.reservation.epoch + 1);
     expect(await second.land()).toBe('committed');
+  });
+});
+
+// A confirm whose version check failed settles its reservation in Redis with what Postgres says now. That
+// answer is fenced by its age (see abort.lua): one that reaches Redis too late is read again, and a
+// confirm whose answer is refused every time changes nothing, answers 503, and leaves the sweeper to settle.
+describe("settling a failed commit when Postgres' answer reaches Redis too late", () => {
+  const world = new TestWorld('abort-retry');
+  let api: TestInstance;
+  let holds: HoldStore;
+  let refusals = 0;
+
+  beforeAll(async () => {
+    api = await world.start({ COMMIT_WINDOW_MS: '1000', RECONCILE_INTERVAL_MS: '0' });
+    holds = api.app.get(HoldStore);
+  });
+  afterAll(() => world.cleanup());
+
+  /** Makes the first `times` aborts of `pool` arrive as if this instance had stalled past READ_MAX_AGE_MS after its read. */
+  function lateAborts(pool: string, times: number) {
+    const abort = holds.abort.bind(holds);
+    refusals = 0;
+    return vi.spyOn(holds, 'abort').mockImplementation(async (name, rid, epoch, readAt, allocated, fresh) => {
+      if (name !== pool || refusals >= times) return abort(name, rid, epoch, readAt, allocated, fresh);
+      const how = await abort(name, rid, epoch, readAt - READ_MAX_AGE_MS - 1000, allocated, fresh);
+      if (how === 'tooOld') refusals++;
+      return how;
+    });
+  }
+
+  /** A reservation of both items of a new pool, whose first item moved on in Postgres behind its hold. */
+  async function conflicted(pool: string) {
+    await seedPool(api, pool, numbers(2));
+    const r = await api.post(`/v1/pools/${pool}/reservations`, { owner: 'buyer', count: 2, ttlMs: 1000 });
+    const [chosen, other] = r.body.items.map((i: { resourceId: string }) => i.resourceId);
+    await world.query(`UPDATE t_resource SET version = version + 1 WHERE id = $1`, [chosen]);
+    return { rid: r.body.id as string, chosen, other };
+  }
+
+  it('reads Postgres again and settles: the confirm answers 409 HOLD_LOST and both items are free', async () => {
+    const { rid, chosen } = await conflicted('late-once');
+    const late = lateAborts('late-once', 1);
+    try {
+      const confirm = await api.post(`/v1/reservations/${rid}/confirm`, { resourceIds: [chosen] });
+      expect([confirm.status, confirm.body.error?.code, confirm.body.error?.details?.reason]).toEqual([409, 'HOLD_LOST', 'version_changed']);
+      expect(refusals).toBe(1);
+      expect(late).toHaveBeenCalledTimes(2);
+    } finally {
+      late.mockRestore();
+    }
+    // Settled by the second try: expired, both items back in the pool, the chosen one at its new version.
+    expect((await holds.read('late-once', rid))?.state).toBe('expired');
+    const again = await api.post('/v1/pools/late-once/reservations', { owner: 'next', count: 2 });
+    expect(again.status).toBe(201);
+    expect(again.body.items.find((i: { resourceId: string }) => i.resourceId === chosen).version).toBe(1);
+  });
+
+  it('refused three times: 503, nothing changed, and the sweeper settles it once the window is over', async () => {
+    const { rid, chosen, other } = await conflicted('late-always');
+    const late = lateAborts('late-always', 3);
+    try {
+      const confirm = await api.post(`/v1/reservations/${rid}/confirm`, { resourceIds: [chosen] });
+      expect([confirm.status, confirm.body.error?.code]).toEqual([503, 'DEPENDENCY_UNAVAILABLE']);
+      expect(refusals).toBe(3);
+      // Redis is as the pin left it: the commit pinned, both holds the reservation's, nothing free.
+      expect((await holds.read('late-always', rid))?.state).toBe('confirming');
+      expect([await holds.holder('late-always', chosen), await holds.holder('late-always', other)]).toEqual([rid, rid]);
+      expect((await api.post('/v1/pools/late-always/reservations', { owner: 'next', count: 1 })).body.error?.code).toBe('POOL_EXHAUSTED');
+    } finally {
+      late.mockRestore();
+    }
+    expect(await world.query(`SELECT count(*)::int AS n FROM t_resource WHERE id IN ($1, $2) AND state = 2`, [chosen, other])).toEqual([{ n: 0 }]);
+    // Nothing lost: when the commit window ends, a sweeper asks Postgres and settles the reservation.
+    const { value: back } = await eventually(async () => {
+      const r = await api.post('/v1/pools/late-always/reservations', { owner: 'next', count: 2 });
+      return r.status === 201 ? r : null;
+    }, 5000);
+    expect(back.body.items.map((i: { resourceId: string }) => i.resourceId).sort()).toEqual([chosen, other].sort());
+    expect((await holds.read('late-always', rid))?.state).toBe('expired');
   });
 });
