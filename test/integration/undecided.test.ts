@@ -212,7 +212,11 @@ describe("settling a failed commit when Postgres' answer reaches Redis too late"
     const late = lateAborts('late-once', 1);
     try {
       const confirm = await api.post(`/v1/reservations/${rid}/confirm`, { resourceIds: [chosen] });
-      expect([confirm.status, confirm.body.error?.code, confirm.body.error?.details?.reason]).toEqual([409, 'HOLD_LOST', 'version_changed']);
+      expect([confirm.status, confirm.body.error?.code, confirm.body.error?.details?.reason]).toEqual([
+        409,
+        'HOLD_LOST',
+        'version_changed',
+      ]);
       expect(refusals).toBe(1);
       expect(late).toHaveBeenCalledTimes(2);
     } finally {
@@ -239,7 +243,9 @@ describe("settling a failed commit when Postgres' answer reaches Redis too late"
     } finally {
       late.mockRestore();
     }
-    expect(await world.query(`SELECT count(*)::int AS n FROM t_resource WHERE id IN ($1, $2) AND state = 2`, [chosen, other])).toEqual([{ n: 0 }]);
+    expect(await world.query(`SELECT count(*)::int AS n FROM t_resource WHERE id IN ($1, $2) AND state = 2`, [chosen, other])).toEqual([
+      { n: 0 },
+    ]);
     // Nothing lost: when the commit window ends, a sweeper asks Postgres and settles the reservation.
     const { value: back } = await eventually(async () => {
       const r = await api.post('/v1/pools/late-always/reservations', { owner: 'next', count: 2 });
