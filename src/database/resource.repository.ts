@@ -129,14 +129,18 @@ export class ResourceRepository {
     const pool = (this.db.driver as PostgresDriver).master as PgPool;
     const { rows } = await pool.query<{ results: AllocationResult[] }>({
       name: 'respool_allocate',
-      text: 'SELECT respool_allocate($1, $2, $3, $4, $5, $6::jsonb[], $7, $8, $9, $10) AS results',
+      // The commit records go as one JSON array, not as a Postgres array of JSON texts: pg would quote and
+      // escape every character of each record on the way (the confirm's profile showed that work).
+      text: `SELECT respool_allocate($1, $2, $3, $4, $5,
+               ARRAY(SELECT body FROM jsonb_array_elements($6::jsonb) WITH ORDINALITY AS b(body, n) ORDER BY n),
+               $7, $8, $9, $10) AS results`,
       values: [
         batch.map((a) => a.poolId),
         batch.map((a) => a.reservationId),
         batch.map((a) => a.epoch),
         batch.map((a) => a.generation),
         batch.map((a) => a.owner),
-        batch.map((a) => JSON.stringify(a.body)),
+        JSON.stringify(batch.map((a) => a.body)),
         batch.map((a) => a.items.length),
         batch.flatMap((a) => a.items.map((i) => i.id)),
         batch.flatMap((a) => a.items.map((i) => i.version)),
