@@ -10,7 +10,9 @@ export class ErrorDetailDto {
   message: string;
 
   @ApiProperty({
-    description: 'Structured context; for VALIDATION_FAILED, `fields` lists each bad field and why',
+    description:
+      'Structured context; for VALIDATION_FAILED, `fields` lists each bad field and why; for HOLD_LOST and HOLD_EXPIRED, ' +
+      "`receivedAt` is when the instance received the request (ISO 8601, its own clock), to compare with the hold's `expiresAt`",
     type: 'object',
     additionalProperties: true,
   })

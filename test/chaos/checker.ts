@@ -19,11 +19,19 @@ export interface FaultWindow {
 
 const GRACE_MS = 3000;
 /**
- * A confirm is judged by when the client sent it; the service can only honour one that reaches it before
- * expiresAt. One sent in the last LATE_SEND_MS and answered only after expiresAt may have arrived after
- * it: it is counted (`maybeLate`), not judged.
+ * The service owes a confirm only if it reaches it before expiresAt. A refusal with HOLD_LOST or HOLD_EXPIRED says
+ * when the instance received the request (`details.receivedAt`; the same machine's clock as the client's and
+ * Redis'): one received at or after expiresAt arrived late (a slow client loop, a busy machine) and is counted
+ * (`arrivedLate`), not judged. A refusal without it (another code) is judged by when the client sent it, except one
+ * sent in the last LATE_SEND_MS and answered only after expiresAt, which may have arrived after it (`maybeLate`).
  */
 const LATE_SEND_MS = 500;
+
+/** When the instance received a request, as its HOLD_LOST or HOLD_EXPIRED answer says; undefined otherwise. */
+function receivedAt(e: Exchange): number | undefined {
+  const at = (e.answer as { error?: { details?: { receivedAt?: unknown } } } | undefined)?.error?.details?.receivedAt;
+  return typeof at === 'string' ? Date.parse(at) : undefined;
+}
 
 /** Samples Redis during the run: an item in two live holds, or free while held, is a violation. */
 export class HoldSampler {
@@ -73,7 +81,17 @@ export async function check(log: Exchange[], windows: FaultWindow[], databaseUrl
   const diagnostics: string[] = [];
   /** Items of holds that were not honoured: their whole story is printed to find out why. */
   const lostItems = new Set<string>();
-  const counts: Record<string, number> = { requests: log.length, ok: 0, '503': 0, network: 0, hung: 0, '500': 0, excused: 0, maybeLate: 0 };
+  const counts: Record<string, number> = {
+    requests: log.length,
+    ok: 0,
+    '503': 0,
+    network: 0,
+    hung: 0,
+    '500': 0,
+    excused: 0,
+    arrivedLate: 0,
+    maybeLate: 0,
+  };
   for (const e of log) {
     if (e.status >= 200 && e.status < 300) counts.ok++;
     if (e.status === 503) counts['503']++;
@@ -99,11 +117,17 @@ export async function check(log: Exchange[], windows: FaultWindow[], databaseUrl
         (w) => w.redisLostBy !== undefined && (e.reservationCreatedAt ?? 0) <= w.redisLostBy && w.start <= e.doneAt,
       );
       const instancePaused = windows.some((w) => w.instance === e.instance && e.sentAt <= w.end && e.doneAt >= w.start);
+      const received = receivedAt(e);
       if (dependencyDown || redisLost || instancePaused) counts.excused++;
-      else if (e.expiresAt - e.sentAt < LATE_SEND_MS && e.doneAt > e.expiresAt) counts.maybeLate++;
+      else if (received !== undefined && received >= e.expiresAt) counts.arrivedLate++;
+      else if (received === undefined && e.expiresAt - e.sentAt < LATE_SEND_MS && e.doneAt > e.expiresAt) counts.maybeLate++;
       else {
+        const arrival =
+          received === undefined
+            ? ''
+            : `, received by the service ${received - e.sentAt} ms after it was sent (${e.expiresAt - received} ms before expiry)`;
         violations.push(
-          `hold not honoured: ${e.op} ${e.path} sent at ${new Date(e.sentAt).toISOString()}, ${e.expiresAt - e.sentAt} ms before expiry, reserved at ${new Date(e.reservationCreatedAt ?? 0).toISOString()}, on ${e.instance}, answered ${e.doneAt - e.sentAt} ms after it was sent: ${e.status} ${JSON.stringify(e.answer)}`,
+          `hold not honoured: ${e.op} ${e.path} sent at ${new Date(e.sentAt).toISOString()}, ${e.expiresAt - e.sentAt} ms before expiry, reserved at ${new Date(e.reservationCreatedAt ?? 0).toISOString()}, on ${e.instance}${arrival}, answered ${e.doneAt - e.sentAt} ms after it was sent: ${e.status} ${JSON.stringify(e.answer)}`,
         );
         for (const id of (e.answer as { error?: { details?: { resourceIds?: string[] } } })?.error?.details?.resourceIds ?? [])
           lostItems.add(id);

@@ -1,9 +1,18 @@
 import type { Redis } from 'ioredis';
-import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { afterAll, beforeAll, describe, expect, it, vi } from 'vitest';
 import { freeMember, poolKeys } from '../../src/redis/keys.js';
+import { HoldStore } from '../../src/redis/hold-store.repository.js';
 import { REDIS } from '../../src/redis/redis.client.js';
 import { RebuildService } from '../../src/sweeper/rebuild.service.js';
 import { TestInstance, TestWorld, eventually, numbers, seedPool, sleep } from '../support/harness.js';
+
+/** A hold-time answer's `receivedAt`: when the instance received the request, so between its sending and its answer. */
+function expectReceivedBetween(receivedAt: string, sentAt: number, answeredAt: number): void {
+  expect(receivedAt).toMatch(/^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$/);
+  // Date.now() and the ISO string both have whole milliseconds.
+  expect(Date.parse(receivedAt)).toBeGreaterThanOrEqual(sentAt);
+  expect(Date.parse(receivedAt)).toBeLessThanOrEqual(answeredAt);
+}
 
 describe('reservations', () => {
   const world = new TestWorld('reservations');
@@ -226,9 +235,11 @@ describe('reservations', () => {
 
     const short = await reserve('extend', { owner: 'late', count: 1, ttlMs: 1000 });
     await sleep(1200);
+    const sentAt = Date.now();
     const tooLate = await api.post(`/v1/reservations/${short.body.id}/extend`, { ttlMs: 5000 });
     expect(tooLate.status).toBe(409);
     expect(tooLate.body.error.code).toBe('HOLD_EXPIRED');
+    expectReceivedBetween(tooLate.body.error.details.receivedAt, sentAt, Date.now());
   });
 
   it('invariant 4: a hold with ttlMs 1000 is reservable again within 2 s of its expiry and reads expired', async () => {
@@ -271,9 +282,19 @@ describe('reservations', () => {
       const t = await reserve('late-lost', { owner: 'thief', count: 1 });
       return t.status === 201 ? t : null;
     }, 4000);
+    // The confirm takes its time inside the service (300 ms before its pin): the answer still says when it arrived.
+    const holds = api.app.get(HoldStore);
+    const pin = holds.pin.bind(holds);
+    const slow = vi.spyOn(holds, 'pin').mockImplementationOnce(async (...args) => (await sleep(300), pin(...args)));
+    const sentAt = Date.now();
     const lost = await api.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [r.body.items[0].resourceId] });
+    const answeredAt = Date.now();
+    slow.mockRestore();
     expect(lost.status).toBe(409);
     expect(lost.body.error.code).toBe('HOLD_LOST');
+    // When the instance received the confirm: after the hold's expiresAt, which is why it could be lost.
+    expectReceivedBetween(lost.body.error.details.receivedAt, sentAt, answeredAt - 300);
+    expect(Date.parse(lost.body.error.details.receivedAt)).toBeGreaterThan(Date.parse(r.body.expiresAt));
     expect((await api.get('/metrics')).body).toMatch(/respool_confirm_conflicts_total\{reason="hold_taken"\} [1-9]/);
     expect(await dbRow(r.body.items[0].resourceId)).toEqual({ state: 1, version: 0, owner: null });
     // The new holder still gets it.
