@@ -18,6 +18,13 @@ import { REDIS, assertNoEviction } from './redis/redis.client.js';
 
 export const API_VERSION = '1';
 
+declare module 'fastify' {
+  interface FastifyRequest {
+    /** When this instance took the request up (Date.now(), its own clock): the first thing every request does. */
+    receivedAtMs: number;
+  }
+}
+
 const REQUEST_ID = /^[\w.:-]{1,128}$/;
 
 /** A caller's x-request-id when it is sane, else a new UUID. */
@@ -70,7 +77,9 @@ export async function createApp(config: AppConfig, options: { logger?: boolean }
 
   const fastify = app.getHttpAdapter().getInstance();
   const metrics = app.get(MetricsService);
+  fastify.decorateRequest('receivedAtMs', 0);
   fastify.addHook('onRequest', async (req: FastifyRequest, reply: FastifyReply) => {
+    req.receivedAtMs = Date.now();
     void reply.header('x-request-id', req.id);
   });
   const logRequests = config.LOG_REQUESTS === 'true' && options.logger !== false;

@@ -13,13 +13,14 @@ export class AllExceptionsFilter implements ExceptionFilter {
   catch(exception: unknown, host: ArgumentsHost): void {
     const http = host.switchToHttp();
     const reply = http.getResponse<FastifyReply>();
-    const reqId = http.getRequest<FastifyRequest>().id;
+    const request = http.getRequest<FastifyRequest>();
+    const reqId = request.id;
     const mapped = mapError(exception);
     const error = mapped.body.error;
     if (HOLD_TIME_CODES.has(error.code)) {
       // Whether a confirm came in time is judged against expiresAt: when this instance received it (by its
       // own clock) tells a caller whose request was late on the way from one the service failed.
-      error.details = { ...error.details, receivedAt: new Date(Date.now() - reply.elapsedTime).toISOString() };
+      error.details = { ...error.details, receivedAt: new Date(request.receivedAtMs || Date.now()).toISOString() };
     }
     if (mapped.internal) {
       this.logger.error({ reqId, msg: 'unexpected error', stack: exception instanceof Error ? exception.stack : String(exception) });

@@ -22,7 +22,8 @@ const GRACE_MS = 3000;
  * The service owes a confirm only if it reaches it before expiresAt. A refusal with HOLD_LOST or HOLD_EXPIRED says
  * when the instance received the request (`details.receivedAt`; the same machine's clock as the client's and
  * Redis'): one received at or after expiresAt arrived late (a slow client loop, a busy machine) and is counted
- * (`arrivedLate`), not judged. A refusal without it (another code) is judged by when the client sent it, except one
+ * (`arrivedLate`), not judged, unless an extension whose answer was lost may have moved expiresAt later than the
+ * client knows. A refusal without it (another code) is judged by when the client sent it, except one
  * sent in the last LATE_SEND_MS and answered only after expiresAt, which may have arrived after it (`maybeLate`).
  */
 const LATE_SEND_MS = 500;
@@ -90,6 +91,8 @@ export async function check(log: Exchange[], windows: FaultWindow[], databaseUrl
     '500': 0,
     excused: 0,
     arrivedLate: 0,
+    /** The longest a confirm counted in arrivedLate took from the client to the service. */
+    arrivedLateMaxLagMs: 0,
     maybeLate: 0,
   };
   for (const e of log) {
@@ -119,8 +122,10 @@ export async function check(log: Exchange[], windows: FaultWindow[], databaseUrl
       const instancePaused = windows.some((w) => w.instance === e.instance && e.sentAt <= w.end && e.doneAt >= w.start);
       const received = receivedAt(e);
       if (dependencyDown || redisLost || instancePaused) counts.excused++;
-      else if (received !== undefined && received >= e.expiresAt) counts.arrivedLate++;
-      else if (received === undefined && e.expiresAt - e.sentAt < LATE_SEND_MS && e.doneAt > e.expiresAt) counts.maybeLate++;
+      else if (received !== undefined && received >= e.expiresAt && e.expiryKnown !== false) {
+        counts.arrivedLate++;
+        counts.arrivedLateMaxLagMs = Math.max(counts.arrivedLateMaxLagMs, received - e.sentAt);
+      } else if (received === undefined && e.expiresAt - e.sentAt < LATE_SEND_MS && e.doneAt > e.expiresAt) counts.maybeLate++;
       else {
         const arrival =
           received === undefined

@@ -12,6 +12,8 @@ export interface Exchange {
   answer?: any;
   /** For confirm/complete: the reservation's expiresAt as the client last knew it. */
   expiresAt?: number;
+  /** False when an extension whose answer was lost (503, no answer) may have moved expiresAt later than that. */
+  expiryKnown?: boolean;
   reservationCreatedAt?: number;
 }
 
@@ -122,16 +124,19 @@ export async function reviewer(t: Traffic, id: string, pool: string): Promise<vo
     if (lease.status !== 200) continue;
     const { leaseId, resourceId } = lease.answer;
     let expiresAt = Date.parse(lease.answer.expiresAt);
+    let expiryKnown = true;
     await sleep(between(100, 1500));
     if (Math.random() < 0.5) {
       const beat = await t.call(name, t.live(), 'heartbeat', 'POST', `/v1/tasks/${leaseId}/heartbeat`, { leaseMs: 3000 });
       if (beat.status === 200) expiresAt = Date.parse(beat.answer.expiresAt);
+      else if (beat.status === 503 || beat.status <= 0) expiryKnown = false;
       await sleep(between(100, 1000));
     }
     const roll = Math.random();
     if (roll < 0.5) {
       const c = await t.call(name, t.live(), 'complete', 'POST', `/v1/tasks/${leaseId}/complete`, undefined, {
         expiresAt,
+        expiryKnown,
         reservationCreatedAt: lease.sentAt,
       });
       if (c.status === 200) done.push(resourceId);

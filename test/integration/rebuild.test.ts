@@ -210,7 +210,9 @@ describe('rebuild of Redis from Postgres, one instance at a time', () => {
     try {
       // Reading the page again and again, b still renews its lease now and then: it finds the job gone and stops.
       const rebuild = b.app.get(RebuildService).rebuild('periodic');
-      const outcome = await Promise.race([rebuild, new Promise((r) => setTimeout(() => r('still reading'), 15_000))]);
+      let timer: NodeJS.Timeout | undefined;
+      const outcome = await Promise.race([rebuild, new Promise((r) => (timer = setTimeout(() => r('still reading'), 15_000)))]);
+      clearTimeout(timer);
       expect(outcome).toBeNull();
       expect(refused).toBeGreaterThan(1);
       const [row] = await world.query(`SELECT holder FROM t_job_mutex WHERE job_type = 'rebuild'`);

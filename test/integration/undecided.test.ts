@@ -181,7 +181,8 @@ describe("settling a failed commit when Postgres' answer reaches Redis too late"
   let refusals = 0;
 
   beforeAll(async () => {
-    api = await world.start({ COMMIT_WINDOW_MS: '1000', RECONCILE_INTERVAL_MS: '0' });
+    // The window leaves the checks after a refused settlement time to run before a sweeper settles it.
+    api = await world.start({ COMMIT_WINDOW_MS: '3000', RECONCILE_INTERVAL_MS: '0' });
     holds = api.app.get(HoldStore);
   });
   afterAll(() => world.cleanup());
@@ -250,7 +251,7 @@ describe("settling a failed commit when Postgres' answer reaches Redis too late"
     const { value: back } = await eventually(async () => {
       const r = await api.post('/v1/pools/late-always/reservations', { owner: 'next', count: 2 });
       return r.status === 201 ? r : null;
-    }, 5000);
+    }, 8000);
     expect(back.body.items.map((i: { resourceId: string }) => i.resourceId).sort()).toEqual([chosen, other].sort());
     expect((await holds.read('late-always', rid))?.state).toBe('expired');
   });
