@@ -125,6 +125,9 @@ export async function check(log: Exchange[], windows: FaultWindow[], databaseUrl
       else if (received !== undefined && received >= e.expiresAt && e.expiryKnown !== false) {
         counts.arrivedLate++;
         counts.arrivedLateMaxLagMs = Math.max(counts.arrivedLateMaxLagMs, received - e.sentAt);
+        diagnostics.push(
+          `arrived late, not judged: ${e.op} ${e.path} on ${e.instance}, sent ${e.expiresAt - e.sentAt} ms before expiry, received by the service ${received - e.expiresAt} ms after it: ${e.status} ${JSON.stringify(e.answer)}`,
+        );
       } else if (received === undefined && e.expiresAt - e.sentAt < LATE_SEND_MS && e.doneAt > e.expiresAt) counts.maybeLate++;
       else {
         const arrival =
