@@ -35,8 +35,8 @@ export interface Allocation {
   generation: number;
   /** The items to allocate, each with the version the hold was taken at (the fencing token). */
   items: { id: string; version: number }[];
-  /** The confirm/complete answer, stored so that retries get the same body. */
-  body: Record<string, unknown>;
+  /** The confirm/complete answer as JSON text, stored so that retries get the same body. */
+  body: string;
 }
 
 /**
@@ -140,7 +140,7 @@ export class ResourceRepository {
         batch.map((a) => a.epoch),
         batch.map((a) => a.generation),
         batch.map((a) => a.owner),
-        JSON.stringify(batch.map((a) => a.body)),
+        `[${batch.map((a) => a.body).join(',')}]`,
         batch.map((a) => a.items.length),
         batch.flatMap((a) => a.items.map((i) => i.id)),
         batch.flatMap((a) => a.items.map((i) => i.version)),

@@ -225,15 +225,18 @@ export class HoldStore implements OnApplicationShutdown {
     }
   }
 
-  /** After the Postgres commit: marks the allocated items (at their new versions) and frees the rest of the reservation. */
-  async finish(pool: string, reservationId: string, allocated: AllocatedItem[], outcome: Record<string, unknown>): Promise<number> {
+  /**
+   * After the Postgres commit: marks the allocated items (at their new versions) and frees the rest of the
+   * reservation. `outcomeJson`: the commit's answer as JSON text, kept for the confirm's retries.
+   */
+  async finish(pool: string, reservationId: string, allocated: AllocatedItem[], outcomeJson: string): Promise<number> {
     const sorted = [...allocated].sort((a, b) => compareIds(a.resourceId, b.resourceId));
     return this.run<number>(
       'finish',
       pool,
       reservationId,
       sorted.map((a) => a.resourceId).join(','),
-      JSON.stringify(outcome),
+      outcomeJson,
       TOMBSTONE_MS,
       this.retentionMs,
       ...sorted.flatMap((a) => [freeMember(a.value, a.resourceId), a.version]),

@@ -82,7 +82,7 @@ export class CommitService {
       epoch: r.epoch,
       generation: r.generation,
       items: picked.map((i) => ({ id: i.id, version: i.n })),
-      body: outcome as unknown as Record<string, unknown>,
+      body: JSON.stringify(outcome),
     };
     let result;
     try {
@@ -99,7 +99,7 @@ export class CommitService {
       throw err;
     }
     if (result === 'committed') {
-      await this.finishQuietly(pool, r.id, outcome);
+      await this.finishQuietly(pool, r.id, outcome, allocation.body);
       return outcome;
     }
     // Someone ended this reservation's commit first: the same confirm on another instance, or the sweeper.
@@ -150,14 +150,15 @@ export class CommitService {
     return this.landedCommit(reservationId);
   }
 
-  private finish(pool: PoolEntity, reservationId: string, outcome: CommitOutcome): Promise<number> {
-    return this.holds.finish(pool.name, reservationId, outcome.allocated, outcome as unknown as Record<string, unknown>);
+  /** `json`: the outcome as JSON text, when the caller has it already. */
+  private finish(pool: PoolEntity, reservationId: string, outcome: CommitOutcome, json = JSON.stringify(outcome)): Promise<number> {
+    return this.holds.finish(pool.name, reservationId, outcome.allocated, json);
   }
 
   /** The commit is durable in Postgres; if Redis fails now, the sweeper finishes it from the commit row. */
-  private async finishQuietly(pool: PoolEntity, reservationId: string, outcome: CommitOutcome): Promise<void> {
+  private async finishQuietly(pool: PoolEntity, reservationId: string, outcome: CommitOutcome, json?: string): Promise<void> {
     try {
-      await this.finish(pool, reservationId, outcome);
+      await this.finish(pool, reservationId, outcome, json);
     } catch (err) {
       this.logger.warn(`commit of ${reservationId} is durable, Redis clean-up deferred to the sweeper: ${String(err)}`);
     }

@@ -43,7 +43,7 @@ describe('respool_allocate: a batch of commits', () => {
         epoch: c.epoch ?? 1,
         generation: c.generation ?? generation,
         items: c.items,
-        body: { rid: c.rid },
+        body: JSON.stringify({ rid: c.rid }),
       })),
     );
 

@@ -161,7 +161,7 @@ describe('invariants 1-4 checked against the stores', () => {
       epoch: pinned.reservation.epoch,
       generation: pinned.reservation.generation,
       items: [{ id: chosen.resourceId, version: chosen.version }],
-      body,
+      body: JSON.stringify(body),
     });
     expect(committed).toBe('committed');
     // ...and dies before its last Redis step. The sweeper finds the commit row and finishes it.

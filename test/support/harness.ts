@@ -175,7 +175,7 @@ export async function stalledConfirm(api: TestInstance, pool: string, reservatio
       epoch: r.epoch,
       generation: r.generation,
       items: [{ id: resourceId, version: item.n }],
-      body,
+      body: JSON.stringify(body),
     });
   };
   return { pinned, land };
