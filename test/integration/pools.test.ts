@@ -1,6 +1,6 @@
 import { afterAll, beforeAll, describe, expect, it, vi } from 'vitest';
-import { HoldStore, READ_MAX_AGE_MS } from '../../src/redis/hold-store.repository.js';
-import { TestInstance, TestWorld, numbers, seedPool, sleep } from '../support/harness.js';
+import { HoldStore } from '../../src/redis/hold-store.repository.js';
+import { TestInstance, TestWorld, numbers, seedPool, sleep, staleReadAt } from '../support/harness.js';
 
 describe('pools and resources', () => {
   const world = new TestWorld('pools');
@@ -182,7 +182,7 @@ describe('pools and resources', () => {
     const late = vi.spyOn(holds, 'addFree').mockImplementation(async (pool, generation, readAt, items) => {
       if (pool !== 'stalled-import') return addFree(pool, generation, readAt, items);
       calls++;
-      return addFree(pool, generation, calls % 2 === 1 ? readAt - READ_MAX_AGE_MS - 1000 : readAt, items);
+      return addFree(pool, generation, calls % 2 === 1 ? staleReadAt(readAt) : readAt, items);
     });
     try {
       await seedPool(api, 'stalled-import', numbers(3));

@@ -8,7 +8,7 @@ import { ResourceRepository } from '../../src/database/resource.repository.js';
 import { GenerationRepository } from '../../src/database/generation.repository.js';
 import { markerKey, poolKeys } from '../../src/redis/keys.js';
 import { HoldStore, READ_MAX_AGE_MS, TOMBSTONE_MS } from '../../src/redis/hold-store.repository.js';
-import { TestInstance, TestWorld, numbers, seedPool } from '../support/harness.js';
+import { TestInstance, TestWorld, numbers, seedPool, staleReadAt } from '../support/harness.js';
 
 describe('rebuild of Redis from Postgres, one instance at a time', () => {
   const world = new TestWorld('rebuild');
@@ -205,7 +205,7 @@ describe('rebuild of Redis from Postgres, one instance at a time', () => {
         await world.query(`UPDATE t_job_mutex SET update_time = now() - interval '2 minutes' WHERE job_type = 'rebuild'`);
         expect(await a.app.get(JobMutexRepository).acquire('rebuild', 'another-instance', 60_000)).not.toBeNull();
       }
-      return addFree(pool, generation, readAt - READ_MAX_AGE_MS - 1000, items);
+      return addFree(pool, generation, staleReadAt(readAt), items);
     });
     try {
       // Reading the page again and again, b still renews its lease now and then: it finds the job gone and stops.
@@ -243,7 +243,7 @@ describe('rebuild of Redis from Postgres, one instance at a time', () => {
       expect(items.map((item) => item.id)).toContain(allocated);
       // The read is older than the fence allows, and the tombstone it missed is gone: the fence must be shorter.
       expect(READ_MAX_AGE_MS).toBeLessThan(TOMBSTONE_MS);
-      return addFree(pool, generation, readAt - READ_MAX_AGE_MS - 1000, items);
+      return addFree(pool, generation, staleReadAt(readAt), items);
     });
     try {
       expect(await b.app.get(RebuildService).rebuild('periodic')).not.toBeNull();
@@ -258,7 +258,7 @@ describe('rebuild of Redis from Postgres, one instance at a time', () => {
       await client.zrem(keys.free, `${row.value}\0${row.id}`);
       await client.hdel(keys.itemBucket(row.id), row.id);
       const generation = Number(await client.get(keys.generation));
-      expect(await addFree('late-page', generation, (await holds.clock()) - READ_MAX_AGE_MS - 1000, [item])).toBeNull();
+      expect(await addFree('late-page', generation, staleReadAt(await holds.clock()), [item])).toBeNull();
       expect(await client.hget(keys.itemBucket(row.id), row.id)).toBeNull();
       expect(await addFree('late-page', generation, await holds.clock(), [item])).toBe(1);
       expect(await client.zcard(keys.free)).toBe(2);

@@ -3,9 +3,9 @@ import { PoolRepository } from '../../src/database/pool.repository.js';
 import { GenerationRepository } from '../../src/database/generation.repository.js';
 import { ResourceRepository } from '../../src/database/resource.repository.js';
 import { toCachedItem } from '../../src/pools/pools.service.js';
-import { HoldStore, READ_MAX_AGE_MS } from '../../src/redis/hold-store.repository.js';
+import { HoldStore } from '../../src/redis/hold-store.repository.js';
 import { CommitService } from '../../src/reservations/commit.service.js';
-import { TestInstance, TestWorld, eventually, numbers, seedPool, sleep, stalledConfirm } from '../support/harness.js';
+import { TestInstance, TestWorld, eventually, numbers, seedPool, sleep, stalledConfirm, staleReadAt } from '../support/harness.js';
 
 // Invariants 1 and 3 when a commit landed in Postgres but its caller never saw the answer (the instance
 // died after the commit, or the connection dropped): its items stay out of the pool until Postgres'
@@ -50,7 +50,7 @@ describe('commits whose outcome the caller never saw', () => {
     const epoch = pin.reservation.epoch;
     // Postgres said the item moved on to version 7, in a read older than the fence allows: Redis takes none of it.
     const moved = { id, v: r.body.items[0].value, n: 7 };
-    const old = (await holds.clock()) - READ_MAX_AGE_MS - 1000;
+    const old = staleReadAt(await holds.clock());
     expect(await holds.abort('old-abort', r.body.id, epoch, old, [], [moved])).toBe('tooOld');
     expect((await holds.read('old-abort', r.body.id))?.state).toBe('confirming');
     expect(await holds.holder('old-abort', id)).toBe(r.body.id);
@@ -193,7 +193,7 @@ describe("settling a failed commit when Postgres' answer reaches Redis too late"
     refusals = 0;
     return vi.spyOn(holds, 'abort').mockImplementation(async (name, rid, epoch, readAt, allocated, fresh) => {
       if (name !== pool || refusals >= times) return abort(name, rid, epoch, readAt, allocated, fresh);
-      const how = await abort(name, rid, epoch, readAt - READ_MAX_AGE_MS - 1000, allocated, fresh);
+      const how = await abort(name, rid, epoch, staleReadAt(readAt), allocated, fresh);
       if (how === 'tooOld') refusals++;
       return how;
     });

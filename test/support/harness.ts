@@ -4,7 +4,7 @@ import pg from 'pg';
 import { createApp } from '../../src/app.factory.js';
 import { PoolRepository } from '../../src/database/pool.repository.js';
 import { AllocationResult, ResourceRepository } from '../../src/database/resource.repository.js';
-import { HoldStore } from '../../src/redis/hold-store.repository.js';
+import { HoldStore, READ_MAX_AGE_MS } from '../../src/redis/hold-store.repository.js';
 import { AppConfig, loadConfig } from '../../src/config/app-config.js';
 import { REDIS_URL, databaseUrl, deleteKeys, dropDatabase } from './services.js';
 
@@ -109,6 +109,9 @@ export class TestWorld {
 }
 
 export const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));
+
+/** A Redis clock stamp (HoldStore.clock) made too long before its write: Redis refuses the write (READ_MAX_AGE_MS). */
+export const staleReadAt = (readAt: number) => readAt - READ_MAX_AGE_MS - 1000;
 
 /** Polls `check` until it returns a truthy value or `timeoutMs` passes; returns the value and the time it took. */
 export async function eventually<T>(check: () => Promise<T | undefined | null | false>, timeoutMs: number, everyMs = 50) {
