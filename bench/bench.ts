@@ -22,7 +22,7 @@ const RUN_MS = QUICK ? 2000 : 5000;
 const REPEAT = QUICK ? 1 : 3;
 /**
  * Growth: each size is measured in this many interleaved slices of GROWTH_SLICE_MS; an odd number, so that the
- * median of the slices' percentiles is one slice's figure. The p50s of one size's slices ranged over up to 30 %
+ * median of the slices' percentiles is one slice's figure. The p50s of one size's slices ranged over up to 31 %
  * in the runs of 2026-11-22, so the check needs more of them than the other figures need runs.
  */
 const GROWTH_SLICES = QUICK ? 3 : 9;
