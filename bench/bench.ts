@@ -80,9 +80,17 @@ function report(label: string, m: LoadResult): LoadResult {
   return m;
 }
 
+/** Logs one of the runs a median is taken of, so that a run unlike the others can be told from a slow median. */
+function logRun(label: string, n: number, run: LoadResult): LoadResult {
+  say(
+    `  ${label}, run ${n}: ${run.rps.toFixed(0)}/s p99 ${run.p99.toFixed(2)} ms${run.cpu ? `; CPU per operation, µs: ${cpuCell(run)}` : ''}`,
+  );
+  return run;
+}
+
 async function repeat(label: string, once: () => Promise<LoadResult>): Promise<LoadResult> {
   const runs: LoadResult[] = [];
-  for (let i = 0; i < REPEAT; i++) runs.push(await once());
+  for (let i = 0; i < REPEAT; i++) runs.push(logRun(label, i + 1, await once()));
   return report(label, median(runs));
 }
 
@@ -98,7 +106,7 @@ async function interleaved(settleMs: number, servers: { label: string; once: () 
   for (let round = 0; round < REPEAT; round++) {
     for (let k = 0; k < servers.length; k++) {
       const i = (round + k) % servers.length;
-      runs[i].push(await servers[i].once());
+      runs[i].push(logRun(servers[i].label, round + 1, await servers[i].once()));
       await sleep(settleMs);
     }
   }
