@@ -128,17 +128,17 @@ export function pooled(results: LoadResult[]): LoadResult {
   };
 }
 
+/** The middle of an odd number of figures (of an even number, the upper of the two middle ones). */
+export function medianOf(xs: number[]): number {
+  return [...xs].sort((a, b) => a - b)[Math.floor(xs.length / 2)];
+}
+
 /**
  * The median of the runs' p50s and, apart, of their p99s: a run whose latencies a burst of the machine's
  * noise spoilt moves neither (unlike percentiles over all their samples, which its worst 1 % can set).
  */
 export function medianPercentiles(results: LoadResult[]): { p50: number; p99: number } {
-  const mid = (xs: number[]) => {
-    const sorted = [...xs].sort((a, b) => a - b);
-    const n = sorted.length;
-    return n % 2 === 1 ? sorted[(n - 1) / 2] : (sorted[n / 2 - 1] + sorted[n / 2]) / 2;
-  };
-  return { p50: mid(results.map((r) => r.p50)), p99: mid(results.map((r) => r.p99)) };
+  return { p50: medianOf(results.map((r) => r.p50)), p99: medianOf(results.map((r) => r.p99)) };
 }
 
 /** The median run of several, by throughput. */

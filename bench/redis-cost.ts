@@ -31,6 +31,7 @@ import { Redis } from 'ioredis';
 import { poolKeys } from '../src/redis/keys.js';
 import { redisNowMs } from '../src/redis/redis.client.js';
 import { deleteKeys } from '../test/support/services.js';
+import { medianOf } from './load.js';
 import { READ_MAX_AGE_MS, type CachedItem } from '../src/redis/hold-store.repository.js';
 import { AppConfig } from '../src/config/app-config.js';
 import { SWEEP_BATCH, SWEEP_WORK_BUDGET } from '../src/sweeper/sweep-limits.js';
@@ -58,7 +59,6 @@ for (const name of ['reserve', 'release', 'add_free']) {
 const call = redis as unknown as Record<string, (...args: unknown[]) => Promise<string[]>>;
 
 const say = (msg: string) => console.log(`[bench:redis ${new Date().toISOString().slice(11, 19)}] ${msg}`);
-const median = (xs: number[]) => [...xs].sort((a, b) => a - b)[Math.floor(xs.length / 2)];
 
 /** Item i of a pool: ids and values shaped like respool's (bigint ids, phone-number values). */
 const idOf = (i: number) => String(1_000_000 + i);
@@ -199,7 +199,7 @@ async function main(): Promise<void> {
       for (const [i, { size, pool }] of pools.entries()) loops[op][i].push(await commandCost(pool, size, op));
     }
   }
-  const cost = Object.fromEntries(COMMANDS.map((op) => [op, loops[op].map((xs, i) => median(xs) - median(loops.none[i]))]));
+  const cost = Object.fromEntries(COMMANDS.map((op) => [op, loops[op].map((xs, i) => medianOf(xs) - medianOf(loops.none[i]))]));
 
   const pairs: number[][] = pools.map(() => []);
   const inScript: number[][] = pools.map(() => []);
@@ -222,13 +222,13 @@ async function main(): Promise<void> {
     ...COMMANDS.map((op) => row([`${op}, a call`, ...cost[op].map((x) => x.toFixed(2)), growth(cost[op])])),
     row([
       'reserve (count 1) + release scripts, a pair, EVALSHA (median)',
-      ...pairs.map((xs) => median(xs).toFixed(1)),
-      growth(pairs.map(median)),
+      ...pairs.map((xs) => medianOf(xs).toFixed(1)),
+      growth(pairs.map((xs) => medianOf(xs))),
     ]),
     row([
       'the same two scripts run inside one script, a pair (median)',
-      ...inScript.map((xs) => median(xs).toFixed(1)),
-      growth(inScript.map(median)),
+      ...inScript.map((xs) => medianOf(xs).toFixed(1)),
+      growth(inScript.map((xs) => medianOf(xs))),
     ]),
   ];
   console.log(
@@ -258,7 +258,7 @@ async function main(): Promise<void> {
       row(header),
       row(header.map((_, i) => (i === 0 ? '---' : '---:'))),
       ...flows.map(({ flow, runs }) => {
-        const [mine, base] = runs.map(median);
+        const [mine, base] = runs.map((xs) => medianOf(xs));
         return row(
           baselineDir ? [flow, mine.toFixed(1), base.toFixed(1), `${((mine / base) * 100).toFixed(0)} %`] : [flow, mine.toFixed(1)],
         );
