@@ -5,13 +5,16 @@
  * by package and by function, the service's read and write system calls per operation, and Redis' CPU and
  * time by command per operation. With `--heap`, the service runs under V8's sampling heap profiler instead
  * (bench/heap-sampler.ts) and the report gives the bytes allocated per operation, by package and by function.
+ * With `--perf`, Linux perf samples the CPU time of every process of the machine instead (bench/perf-sampler.ts):
+ * per operation, by process, and the service's by what ran and by package.
  *
- *   npm run bench:profile -- reserve|confirm|cycle|tasks [seconds] [--heap]
+ *   npm run bench:profile -- reserve|confirm|cycle|tasks [seconds] [--heap | --perf]
  *
- * The .cpuprofile or .heapprofile is left in /tmp/respool-profile-* (Chrome DevTools opens both).
+ * The .cpuprofile, .heapprofile or perf.data is left in /tmp/respool-profile-* (Chrome DevTools opens the first
+ * two; `perf report -i` the last).
  */
 import { spawn } from 'node:child_process';
-import { existsSync, mkdtempSync, readdirSync, readFileSync } from 'node:fs';
+import { existsSync, mkdtempSync, readdirSync, readFileSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { fileURLToPath } from 'node:url';
@@ -19,9 +22,11 @@ import { Redis } from 'ioredis';
 import pg from 'pg';
 import { deleteKeys, freePort, serviceArgs } from '../test/support/services.js';
 import { client, runLoad } from './load.js';
+import { PerfRecording, assertPerf, recordPerf, summarisePerf } from './perf-sampler.js';
 
 const heap = process.argv.includes('--heap');
-const [scenario = 'reserve', secondsArg = '10'] = process.argv.slice(2).filter((a) => a !== '--heap');
+const perf = process.argv.includes('--perf');
+const [scenario = 'reserve', secondsArg = '10'] = process.argv.slice(2).filter((a) => a !== '--heap' && a !== '--perf');
 const seconds = Number(secondsArg);
 const DB = 'respool_profile';
 const PREFIX = `profile${Date.now()}:`;
@@ -160,9 +165,14 @@ async function main(): Promise<void> {
   const dir = mkdtempSync(join(tmpdir(), 'respool-profile-'));
   const port = await freePort();
   const heapFile = join(dir, 'service.heapprofile');
+  if (heap && perf) throw new Error('--heap or --perf, not both');
+  if (perf) assertPerf();
+  const perfFile = join(dir, 'perf.data');
   const profiler = heap
     ? ['--import', fileURLToPath(new URL('./heap-sampler.js', import.meta.url))]
-    : ['--cpu-prof', '--cpu-prof-dir', dir];
+    : perf
+      ? ['--perf-basic-prof']
+      : ['--cpu-prof', '--cpu-prof-dir', dir];
   const service = spawn(process.execPath, [...profiler, ...serviceArgs()], {
     env: {
       ...process.env,
@@ -228,18 +238,21 @@ async function main(): Promise<void> {
   // What the timed part of the run cost beside the profile: the service's system calls, and Redis' CPU
   // and command time. The first snapshot is taken when the load's warm-up ends (a timer of the same
   // length, set after the load's own, fires right after it). With --heap, SIGUSR2 starts and stops the
-  // heap sampler at the same two moments.
+  // heap sampler at the same two moments; with --perf, perf records between them.
   const redis = new Redis('redis://127.0.0.1:6379');
   const load = runLoad(100, seconds * 1000, ops[scenario]);
+  let recording: PerfRecording | undefined;
   const before = new Promise<Snapshot>((resolve) =>
     setTimeout(() => {
       if (heap) service.kill('SIGUSR2');
+      if (perf) recording = recordPerf(perfFile);
       resolve(snapshot(redis, service.pid!));
     }, 1000),
   );
   const result = await load;
   const after = await snapshot(redis, service.pid!);
   if (heap) service.kill('SIGUSR2');
+  await recording?.stop();
   await redis.quit();
   const done = result.ops - (result.byStatus['ran dry'] ?? 0);
   console.log(costs(await before, after, done));
@@ -257,6 +270,9 @@ async function main(): Promise<void> {
   });
   if (heap) {
     console.log(`heap profile: ${heapFile} (the timed run only)\n${summariseHeap(heapFile, done)}`);
+  } else if (perf) {
+    console.log(`perf data: ${perfFile} (the timed run only)\n${summarisePerf(perfFile, service.pid!, process.pid, done)}`);
+    rmSync(`/tmp/perf-${service.pid}.map`, { force: true }); // --perf-basic-prof's names of compiled functions
   } else {
     const file = join(
       dir,
