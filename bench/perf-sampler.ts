@@ -38,7 +38,7 @@ export function recordPerf(file: string): PerfRecording {
   };
 }
 
-interface Sample {
+export interface Sample {
   pid: number;
   comm: string;
   /** Symbols, the sampled one first, then its callers. */
@@ -47,12 +47,8 @@ interface Sample {
   kernel: boolean;
 }
 
-function samples(file: string): Sample[] {
-  const text = execFileSync('perf', ['script', '-i', file, '-F', 'comm,pid,tid,ip,sym,dso'], {
-    maxBuffer: 1 << 30,
-    encoding: 'utf8',
-    stdio: ['ignore', 'pipe', 'ignore'],
-  });
+/** The samples in `perf script -F comm,pid,tid,ip,sym,dso` output (with call stacks). */
+export function parseSamples(text: string): Sample[] {
   const out: Sample[] = [];
   for (const block of text.split('\n\n')) {
     const [head, ...frames] = block.split('\n').filter((line) => line.trim() !== '');
@@ -99,12 +95,21 @@ function ownerOf(stack: string[]): string {
   return stack.some((f) => f.startsWith('JS:')) ? 'node core' : '(no JavaScript on the stack)';
 }
 
+/** `summariseSamples` of a perf recording. */
+export function summarisePerf(file: string, servicePid: number, loadPid: number, ops: number, top = 20): string {
+  const text = execFileSync('perf', ['script', '-i', file, '-F', 'comm,pid,tid,ip,sym,dso'], {
+    maxBuffer: 1 << 30,
+    encoding: 'utf8',
+    stdio: ['ignore', 'pipe', 'ignore'],
+  });
+  return summariseSamples(parseSamples(text), servicePid, loadPid, ops, top);
+}
+
 /**
  * CPU time per operation by process (the service, Redis, Postgres, the load generator, idle, the rest),
  * then the service's by kind and by package. `loadPid`: the process generating the load.
  */
-export function summarisePerf(file: string, servicePid: number, loadPid: number, ops: number, top = 20): string {
-  const all = samples(file);
+export function summariseSamples(all: Sample[], servicePid: number, loadPid: number, ops: number, top = 20): string {
   const us = (n: number) => `${((n * 1e6) / FREQUENCY / ops).toFixed(1).padStart(7)} µs`;
   const count = (m: Map<string, number>, key: string) => m.set(key, (m.get(key) ?? 0) + 1);
   const byProcess = new Map<string, number>();
