@@ -28,6 +28,8 @@ const heap = process.argv.includes('--heap');
 const perf = process.argv.includes('--perf');
 const [scenario = 'reserve', secondsArg = '10'] = process.argv.slice(2).filter((a) => a !== '--heap' && a !== '--perf');
 const seconds = Number(secondsArg);
+if (heap && perf) throw new Error('--heap or --perf, not both');
+if (perf) assertPerf();
 const DB = 'respool_profile';
 const PREFIX = `profile${Date.now()}:`;
 
@@ -165,8 +167,6 @@ async function main(): Promise<void> {
   const dir = mkdtempSync(join(tmpdir(), 'respool-profile-'));
   const port = await freePort();
   const heapFile = join(dir, 'service.heapprofile');
-  if (heap && perf) throw new Error('--heap or --perf, not both');
-  if (perf) assertPerf();
   const perfFile = join(dir, 'perf.data');
   const profiler = heap
     ? ['--import', fileURLToPath(new URL('./heap-sampler.js', import.meta.url))]

@@ -223,12 +223,12 @@ async function main(): Promise<void> {
     row([
       'reserve (count 1) + release scripts, a pair, EVALSHA (median)',
       ...pairs.map((xs) => medianOf(xs).toFixed(1)),
-      growth(pairs.map((xs) => medianOf(xs))),
+      growth(pairs.map(medianOf)),
     ]),
     row([
       'the same two scripts run inside one script, a pair (median)',
       ...inScript.map((xs) => medianOf(xs).toFixed(1)),
-      growth(inScript.map((xs) => medianOf(xs))),
+      growth(inScript.map(medianOf)),
     ]),
   ];
   console.log(
@@ -258,7 +258,7 @@ async function main(): Promise<void> {
       row(header),
       row(header.map((_, i) => (i === 0 ? '---' : '---:'))),
       ...flows.map(({ flow, runs }) => {
-        const [mine, base] = runs.map((xs) => medianOf(xs));
+        const [mine, base] = runs.map(medianOf);
         return row(
           baselineDir ? [flow, mine.toFixed(1), base.toFixed(1), `${((mine / base) * 100).toFixed(0)} %`] : [flow, mine.toFixed(1)],
         );
