@@ -95,6 +95,8 @@ type ScriptCall = (key: string, ...args: (string | number)[]) => Promise<unknown
 export const TOMBSTONE_MS = 60_000;
 /** A rebuild round's key outlives any round (a lingering one, of a round that died, expires). */
 const REBUILD_RUN_KEY_MS = 24 * 3600_000;
+/** The marker set to ARGV[2] only over ARGV[1] (Redis 7.0 has no SET ... IFEQ). */
+const MARK_REBUILT = `if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('SET', KEYS[1], ARGV[2]) return 1 end return 0`;
 /** addFree adds nothing from a Postgres read older than this (Redis' clock), well inside a tombstone's life. */
 export const READ_MAX_AGE_MS = TOMBSTONE_MS / 2;
 
@@ -379,6 +381,17 @@ export class HoldStore implements OnApplicationShutdown {
   /** Writes the rebuilt-marker with this value. */
   async setMarker(value: string): Promise<void> {
     await this.command(() => this.redis.set(markerKey(this.prefix), value));
+  }
+
+  /**
+   * Ends a rebuild: the marker becomes `value` only if it still holds `roundMarker`, the marker of the
+   * rebuild's last round, in one step. False, and nothing written, if it does not: Redis was wiped since
+   * that round began (a rebuilt-marker in an empty Redis would hide the wipe from every sweeper), or
+   * another instance's rebuild has written its own since (it writes the marker when it ends).
+   */
+  async markRebuilt(roundMarker: string, value: string): Promise<boolean> {
+    const reply = await this.command(() => this.redis.eval(MARK_REBUILT, 1, markerKey(this.prefix), roundMarker, value));
+    return reply === 1;
   }
 
   /**

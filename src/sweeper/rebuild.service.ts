@@ -53,6 +53,7 @@ export class RebuildService {
       // No marker: Redis was wiped, or this version's key layout is new to it (the marker's name changed).
       if (reason === 'wiped') await this.holds.dropLegacyAttributeSets(() => this.renewLease());
       let added = 0;
+      let roundMarker = '';
       for (let round = 1; ; round++) {
         // After a wipe, a new Redis generation: commits pinned before it can no longer land (the bump waits
         // for those in flight), so the items the rebuild hands out again are really free.
@@ -62,7 +63,8 @@ export class RebuildService {
         // the round's own key tells: the marker's value may be another instance's (one that stalled past its
         // lease may still write it), and taking that for a wipe would bump the generation for nothing.
         const run = `${this.instanceId}:${started}:${round}`;
-        await this.holds.startRebuildRound(run, `${generation} rebuilding:${run}`);
+        roundMarker = `${generation} rebuilding:${run}`;
+        await this.holds.startRebuildRound(run, roundMarker);
         const pools = await this.catalog.all();
         // Every pool gets the generation before any item is added, so no hold is taken in an older one. In
         // the current generation only over an existing key: a missing one means Redis was wiped after this
@@ -85,7 +87,14 @@ export class RebuildService {
       }
       // Not over the marker of an instance that took the job meanwhile: it would take that for a wipe.
       await this.renewLease(true);
-      await this.holds.setMarker(`rebuilt:${new Date().toISOString()}`);
+      // Nor into a Redis wiped after the last round began (a restart as this rebuild ended, or during a
+      // third round): without a marker, the next check sees that wipe and rebuilds.
+      if (!(await this.holds.markRebuilt(roundMarker, `rebuilt:${new Date().toISOString()}`))) {
+        this.logger.warn(
+          `rebuild (${reason}): the marker changed after the last round began (Redis wiped, or another instance ` +
+            'rebuilding); not marked rebuilt, so the next check rebuilds if Redis was wiped',
+        );
+      }
       this.metrics.rebuilds.inc({ reason });
       if (added > 0 || reason !== 'periodic') {
         this.logger.log(`rebuild (${reason}): ${added} free items re-indexed in ${Date.now() - started} ms`);

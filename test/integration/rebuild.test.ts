@@ -8,7 +8,8 @@ import { ResourceRepository } from '../../src/database/resource.repository.js';
 import { GenerationRepository } from '../../src/database/generation.repository.js';
 import { markerKey, poolKeys } from '../../src/redis/keys.js';
 import { HoldStore, READ_MAX_AGE_MS, TOMBSTONE_MS } from '../../src/redis/hold-store.repository.js';
-import { TestInstance, TestWorld, numbers, seedPool, staleReadAt } from '../support/harness.js';
+import { TestInstance, TestWorld, eventually, numbers, seedPool, staleReadAt } from '../support/harness.js';
+import { deleteKeys } from '../support/services.js';
 
 describe('rebuild of Redis from Postgres, one instance at a time', () => {
   const world = new TestWorld('rebuild');
@@ -153,7 +154,43 @@ describe('rebuild of Redis from Postgres, one instance at a time', () => {
       overwrite.mockRestore();
     }
     expect(await world.query(`SELECT gen::int AS gen FROM t_redis_generation`)).toEqual([{ gen: before }]);
+    // Not overwritten by this rebuild's end: the marker is the other instance's to finish.
+    const { Redis } = await import('ioredis');
+    const client = new Redis(a.config.REDIS_URL);
+    try {
+      expect(await client.get(markerKey(world.prefix))).toBe(`${before} rebuilding:another-instance:1:1`);
+    } finally {
+      client.disconnect();
+    }
     expect((await a.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [r.body.items[0].resourceId] })).status).toBe(200);
+  });
+
+  it('Redis wiped as a rebuild ends (after its last round, before its marker): no marker hides the wipe, and the next check rebuilds', async () => {
+    await seedPool(a, 'wiped-at-end', numbers(3));
+    const holds = b.app.get(HoldStore);
+    const endRound = holds.endRebuildRound.bind(holds);
+    const wipe = vi.spyOn(holds, 'endRebuildRound').mockImplementationOnce(async (run) => {
+      const ended = await endRound(run);
+      await deleteKeys(a.config.REDIS_URL, world.prefix); // a Redis restart: it keeps nothing
+      return ended;
+    });
+    const [{ gen: before }] = await world.query(`SELECT gen::int AS gen FROM t_redis_generation`);
+    try {
+      expect(await b.app.get(RebuildService).rebuild('periodic')).not.toBeNull();
+      expect(wipe).toHaveBeenCalled();
+    } finally {
+      wipe.mockRestore();
+    }
+    // With a marker, every sweeper would take this empty Redis for a rebuilt one (and the pool for an empty one)
+    // until the periodic rebuild, which these instances never run. Without one, their next check rebuilds.
+    const { value: rebuilt } = await eventually(async () => {
+      const r = await a.post('/v1/pools/wiped-at-end/reservations', { owner: 'n', count: 3 });
+      return r.status === 201 && r;
+    }, 5000);
+    expect(rebuilt.body.items).toHaveLength(3);
+    expect(await holds.markerPresent()).toBe(true);
+    const [{ gen: after }] = await world.query(`SELECT gen::int AS gen FROM t_redis_generation`);
+    expect(after).toBe(before + 1);
   });
 
   it('a rebuild that stalled past its lease cannot bump the generation: the bump renews the lease in its transaction', async () => {
