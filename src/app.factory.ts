@@ -2,7 +2,7 @@ import 'reflect-metadata';
 import { NestFactory } from '@nestjs/core';
 import { FastifyAdapter, NestFastifyApplication } from '@nestjs/platform-fastify';
 import { DocumentBuilder, SwaggerModule } from '@nestjs/swagger';
-import type { FastifyReply, FastifyRequest } from 'fastify';
+import type { FastifyError, FastifyReply, FastifyRequest } from 'fastify';
 import { randomUUID } from 'node:crypto';
 import type { IncomingMessage } from 'node:http';
 import type { Redis } from 'ioredis';
@@ -10,6 +10,7 @@ import { AppModule } from './app.module.js';
 import { createValidationPipe } from './common/validation.js';
 import { createPino, PinoLoggerService } from './common/logger.js';
 import { errorBody, ErrorCode, HTTP_STATUS } from './common/errors.js';
+import { MAX_PARAM_LENGTH, clientErrorResponse, mapFrameworkError } from './common/http-errors.js';
 import { RateLimiter } from './common/rate-limiter.js';
 import { AppConfig } from './config/app-config.js';
 import { runMigrations } from './database/migrate.js';
@@ -58,11 +59,26 @@ export async function createApp(config: AppConfig, options: { logger?: boolean }
     bodyLimit: config.BODY_LIMIT_BYTES,
     return503OnClosing: true,
     forceCloseConnections: 'idle',
+    // Errors raised before any route or hook runs answer with the API's error body too.
+    maxParamLength: MAX_PARAM_LENGTH,
+    frameworkErrors: (err: FastifyError, req: FastifyRequest, reply: FastifyReply) => {
+      const mapped = mapFrameworkError(err);
+      void reply.status(mapped.status).header('x-request-id', req.id).send(mapped.body);
+    },
+    clientErrorHandler: (err: NodeJS.ErrnoException, socket) => {
+      if (socket.destroyed) return;
+      const answer = clientErrorResponse(err);
+      if (answer !== null && socket.writable) socket.write(answer);
+      socket.destroy(err);
+    },
   });
   const log = createPino(config.LOG_LEVEL);
   const app = await NestFactory.create<NestFastifyApplication>(AppModule.forRoot(config), adapter, {
     logger: options.logger === false ? false : new PinoLoggerService(log),
     abortOnError: false,
+    // Fastify's own parsers only: JSON (and text/plain, which no DTO takes). Nest's defaults add form
+    // bodies, which a cross-site HTML form can send without a CORS check; API.md takes JSON alone.
+    bodyParser: false,
   });
   try {
     const redis = app.get<Redis>(REDIS);

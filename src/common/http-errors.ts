@@ -1,3 +1,4 @@
+import { STATUS_CODES } from 'node:http';
 import { DomainError, ErrorBody, ErrorCode, HTTP_STATUS, errorBody } from './errors.js';
 
 export interface MappedError {
@@ -14,6 +15,46 @@ const FASTIFY_CODES: Record<string, ErrorCode> = {
   FST_ERR_CTP_EMPTY_JSON_BODY: ErrorCode.VALIDATION_FAILED,
   FST_ERR_CTP_INVALID_JSON_BODY: ErrorCode.VALIDATION_FAILED,
 };
+
+/** Longest path parameter Fastify's router takes; a longer one is answered by frameworkError. */
+export const MAX_PARAM_LENGTH = 500;
+
+/**
+ * The answer to an error Fastify's router raises before any route or hook runs (its `frameworkErrors`
+ * option): a path that is not valid percent-encoding, or a path parameter over MAX_PARAM_LENGTH. Without
+ * this, Fastify answers those with a body of its own (and a 414), not the API's.
+ */
+export function mapFrameworkError(err: unknown): MappedError {
+  const code = (err as { code?: unknown } | null)?.code;
+  const reason =
+    code === 'FST_ERR_BAD_URL'
+      ? 'the path is not a valid URL: a % must start a percent-encoded UTF-8 character'
+      : code === 'FST_ERR_MAX_PARAM_LENGTH'
+        ? `a path parameter is longer than ${MAX_PARAM_LENGTH} characters`
+        : null;
+  if (reason === null) return mapError(err);
+  return { status: 400, body: errorBody(ErrorCode.VALIDATION_FAILED, reason, { fields: [{ field: 'path', reason }] }), internal: false };
+}
+
+/**
+ * The raw HTTP answer to a request Node's HTTP parser refused (Fastify's `clientErrorHandler`: an unknown
+ * method, a bad Content-Length, headers too large, a request that did not arrive in time), with the API's
+ * error body; null when there is no one to answer (the connection was reset).
+ */
+export function clientErrorResponse(err: { code?: string }): string | null {
+  if (err.code === 'ECONNRESET') return null;
+  const [status, reason] =
+    err.code === 'ERR_HTTP_REQUEST_TIMEOUT'
+      ? [408, 'the request did not arrive in time']
+      : err.code === 'HPE_HEADER_OVERFLOW'
+        ? [431, 'the request headers are too large']
+        : [400, 'the request is not well-formed HTTP/1.1'];
+  const body = JSON.stringify(errorBody(ErrorCode.VALIDATION_FAILED, reason, { fields: [{ field: 'request', reason }] }));
+  return (
+    `HTTP/1.1 ${status} ${STATUS_CODES[status]}\r\nContent-Type: application/json; charset=utf-8\r\n` +
+    `Content-Length: ${Buffer.byteLength(body)}\r\nConnection: close\r\n\r\n${body}`
+  );
+}
 
 /**
  * Maps anything thrown while serving a request onto the API's error body. Unknown errors become

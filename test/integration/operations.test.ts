@@ -1,3 +1,4 @@
+import { connect } from 'node:net';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { TestInstance, TestWorld, numbers, seedPool } from '../support/harness.js';
 
@@ -84,5 +85,55 @@ describe('operations: health, metrics, OpenAPI, request ids', () => {
     const answer = await api.get('/v2/nothing');
     expect(answer.status).toBe(404);
     expect(answer.body).toEqual({ error: { code: 'ROUTE_NOT_FOUND', message: 'no such route', details: {} } });
+  });
+
+  it('answers what Fastify and Node refuse before any route runs with the API error body too, and changes nothing', async () => {
+    await seedPool(api, 'raw', numbers(2));
+    const fieldsOf = (body: { error: { code: string; details: { fields: { field: string }[] } } }) => ({
+      code: body.error.code,
+      fields: body.error.details.fields.map((f) => f.field),
+    });
+    // A path that is not valid percent-encoding, and a path parameter too long for the router.
+    for (const path of ['/v1/pools/%ZZ', '/v1/reservations/%ff', `/v1/pools/${'a'.repeat(600)}`, `/v1/reservations/${'1'.repeat(600)}`]) {
+      const answer = await api.get(path);
+      expect(answer.status, path).toBe(400);
+      expect(fieldsOf(answer.body), path).toEqual({ code: 'VALIDATION_FAILED', fields: ['path'] });
+      expect(answer.headers.get('x-request-id')).toBeTruthy();
+    }
+    // Below the router's limit, a long parameter is the DTO's to refuse, naming it.
+    const long = await api.get(`/v1/pools/${'a'.repeat(300)}`);
+    expect(fieldsOf(long.body)).toEqual({ code: 'VALIDATION_FAILED', fields: ['pool'] });
+    // What Node's HTTP parser refuses: an unknown method, a Content-Length the body does not match.
+    const url = new URL(api.url);
+    const raw = (request: string) =>
+      new Promise<string>((resolve, reject) => {
+        let answer = '';
+        const socket = connect(Number(url.port), url.hostname, () => socket.end(request));
+        socket.on('data', (chunk) => (answer += chunk.toString()));
+        socket.on('close', () => resolve(answer));
+        socket.on('error', reject);
+      });
+    const body = '{"owner":"u","count":1}';
+    for (const request of [
+      `FOO /v1/pools HTTP/1.1\r\nHost: x\r\n\r\n`,
+      `POST /v1/pools/raw/reservations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 5x\r\n\r\n${body}`,
+    ]) {
+      const answer = await raw(request);
+      expect(answer, request).toMatch(/^HTTP\/1\.1 400 /);
+      expect(fieldsOf(JSON.parse(answer.slice(answer.indexOf('\r\n\r\n') + 4)))).toEqual({
+        code: 'VALIDATION_FAILED',
+        fields: ['request'],
+      });
+    }
+    // JSON only: a form body (which a cross-site HTML form can send) or a text one is refused.
+    for (const [type, sent] of [
+      ['application/x-www-form-urlencoded', 'owner=u&count=1'],
+      ['text/plain', body],
+    ]) {
+      const answer = await api.request('POST', '/v1/pools/raw/reservations', sent, { 'content-type': type });
+      expect(answer.status, type).toBe(400);
+      expect(answer.body.error.code, type).toBe('VALIDATION_FAILED');
+    }
+    expect((await api.get('/v1/pools/raw')).body.stats).toEqual({ total: 2, free: 2, held: 0, allocated: 0 });
   });
 });
