@@ -45,8 +45,17 @@ for _, item in ipairs(items) do
       unindex(base, item)
     end
   elseif fresh[item.id] then
-    item_set(base, item.id, fresh[item.id].json)
-    back[#back + 1] = fresh[item.id].item
+    -- As add_free: never over a newer cache entry (released again since Postgres was read: free at that
+    -- version), nor for an item allocated since the read (its tombstone is newer than the version read).
+    local f = fresh[item.id]
+    local cached = decode_item(item_get(base, item.id))
+    if cached and cached.n > f.item.n then
+      back[#back + 1] = cached
+    elseif not is_tombstone(holder) or tombstone_stale(holder, f.item.n) then
+      if is_tombstone(holder) then redis.call('DEL', hkey) end
+      item_set(base, item.id, f.json)
+      back[#back + 1] = f.item
+    end
   else
     back[#back + 1] = item
   end

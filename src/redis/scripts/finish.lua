@@ -21,8 +21,12 @@ for i = 7, #ARGV, 2 do
   else
     local hkey = base .. 'h:' .. id
     local holder = redis.call('GET', hkey)
-    -- Never overwrite someone else's live hold; Postgres has the truth.
-    if not holder or holder == rid or is_tombstone(holder) then redis.call('SET', hkey, tombstone(version), 'PX', tombstone_ms) end
+    -- Never overwrite someone else's live hold, nor a newer allocation's tombstone (this finish is late: the
+    -- item was released and allocated again since); Postgres has the truth.
+    local allocated_at = is_tombstone(holder) and tonumber(string.sub(holder, 3))
+    if not holder or holder == rid or (allocated_at and allocated_at <= version) then
+      redis.call('SET', hkey, tombstone(version), 'PX', tombstone_ms)
+    end
     item_del(base, id)
     redis.call('ZREM', base .. 'free', m)
   end
