@@ -12,22 +12,28 @@ import { MAX_BATCHES_PER_TICK, SWEEP_BATCH, SWEEP_WORK_BUDGET } from './sweep-li
 const POOL_LIST_REFRESH_MS = 2000;
 const WIPE_CHECK_MIN_GAP_MS = 500;
 
+/** Stalled commits waiting for the upkeep loop at most; the sweep reports a stalled one again a window later. */
+const MAX_STALLED_QUEUED = 10_000;
+
 /**
- * Runs on every instance: returns expired holds to the pool (one Lua script per pool per tick), hands
- * commits stuck past their window to the commit service, and triggers the rebuild when Redis was wiped
- * and periodically.
+ * Runs on every instance, in two loops that never wait for each other: the sweep returns expired holds
+ * to the pool (one Lua script per pool per batch; Redis only, so expiry keeps its 2 s promise while
+ * Postgres is down or hangs), and the upkeep hands commits stuck past their window to the commit service,
+ * refreshes the pool list, and triggers the rebuild when Redis was wiped and periodically.
  */
 @Injectable()
 export class SweeperService implements OnApplicationBootstrap, OnModuleDestroy {
   private readonly logger = new Logger(SweeperService.name);
-  private timer: NodeJS.Timeout | undefined;
+  private readonly timers = new Map<'sweep' | 'upkeep', NodeJS.Timeout>();
+  private readonly running = new Set<Promise<void>>();
   private stopped = false;
-  private running: Promise<void> | undefined;
   private lastPoolRefresh = 0;
   private lastRebuild = 0;
   private lastWipeCheck = 0;
+  /** Reservations whose commit window ran out, found by the sweep, for the upkeep to settle; by pool and id. */
+  private readonly stalled = new Map<string, { pool: PoolEntity; rid: string }>();
   private readonly warned = new Set<string>();
-  private tickFailed = false;
+  private readonly failed = { sweep: false, upkeep: false };
 
   constructor(
     private readonly config: AppConfig,
@@ -40,57 +46,70 @@ export class SweeperService implements OnApplicationBootstrap, OnModuleDestroy {
 
   async onApplicationBootstrap(): Promise<void> {
     // Start-up: bring Redis in line with Postgres before serving (another instance may be doing it).
-    await this.rebuildIfNeeded(true).catch((err: unknown) => this.warn('start-up rebuild', err));
-    this.schedule();
+    await this.rebuildIfNeeded(true).catch((err: unknown) => this.warn('upkeep', 'start-up rebuild', err));
+    this.schedule('sweep');
+    this.schedule('upkeep');
   }
 
   /** Stops before the HTTP server and the connections close (Nest runs onModuleDestroy first). */
   async onModuleDestroy(): Promise<void> {
     this.stopped = true;
-    if (this.timer) clearTimeout(this.timer);
-    await this.running;
+    for (const timer of this.timers.values()) clearTimeout(timer);
+    await Promise.all(this.running);
   }
 
-  private schedule(): void {
+  private schedule(loop: 'sweep' | 'upkeep'): void {
     if (this.stopped) return;
-    this.timer = setTimeout(() => {
-      this.running = this.tick().finally(() => {
-        this.running = undefined;
-        this.schedule();
+    const timer = setTimeout(() => {
+      const run: Promise<void> = (loop === 'sweep' ? this.sweep() : this.upkeep()).finally(() => {
+        this.running.delete(run);
+        this.schedule(loop);
       });
+      this.running.add(run);
     }, this.config.SWEEP_INTERVAL_MS);
-    this.timer.unref();
+    timer.unref();
+    this.timers.set(loop, timer);
   }
 
-  /**
-   * One pass: every known pool's expired holds first (Redis only, so expiry goes on while Postgres is
-   * down), then the stalled commits, the pool list and the wiped-Redis check, each failing on its own.
-   */
+  /** Both loops once, the sweep first. */
   async tick(): Promise<void> {
-    this.tickFailed = false;
-    const stalled: { pool: PoolEntity; rid: string }[] = [];
+    await this.sweep();
+    await this.upkeep();
+  }
+
+  /** Every known pool's expired holds, in batches until a pool has nothing due (bounded), each pool on its own. */
+  async sweep(): Promise<void> {
+    this.failed.sweep = false;
     for (const pool of this.catalog.known()) {
       try {
-        // Batches until the pool has nothing due (bounded), so expiry keeps up with any reserve rate.
         for (let batch = 0; batch < MAX_BATCHES_PER_TICK; batch++) {
           const swept = await this.holds.sweep(pool.name, SWEEP_BATCH, this.config.COMMIT_WINDOW_MS, SWEEP_WORK_BUDGET);
           if (swept.expiredReservations > 0) {
             this.metrics.expiredHolds.inc({ pool: pool.name }, swept.expiredReservations);
             this.logger.debug(`${pool.name}: ${swept.expiredReservations} expired holds, ${swept.freedItems} items freed`);
           }
-          for (const rid of swept.stalled) stalled.push({ pool, rid });
+          for (const rid of swept.stalled) {
+            if (this.stalled.size < MAX_STALLED_QUEUED) this.stalled.set(`${pool.name}\n${rid}`, { pool, rid });
+          }
           if (!swept.more) break;
         }
       } catch (err) {
-        this.warn(`sweep of ${pool.name}`, err);
+        this.warn('sweep', `sweep of ${pool.name}`, err);
       }
     }
-    for (const { pool, rid } of stalled) {
+    this.forgetWarnings();
+  }
+
+  /** The stalled commits the sweep found, the pool list and the wiped-Redis check, each failing on its own. */
+  async upkeep(): Promise<void> {
+    this.failed.upkeep = false;
+    for (const [key, { pool, rid }] of [...this.stalled]) {
+      this.stalled.delete(key);
       try {
         const outcome = await this.committer.recoverStalled(pool, rid);
         this.logger.log(`${pool.name}: commit of ${rid} settled after its window: ${outcome}`);
       } catch (err) {
-        this.warn(`settling the commit of ${rid}`, err);
+        this.warn('upkeep', `settling the commit of ${rid}`, err);
       }
     }
     try {
@@ -101,9 +120,9 @@ export class SweeperService implements OnApplicationBootstrap, OnModuleDestroy {
       }
       await this.rebuildIfNeeded(false);
     } catch (err) {
-      this.warn('rebuild check', err);
+      this.warn('upkeep', 'rebuild check', err);
     }
-    if (!this.tickFailed) this.warned.clear();
+    this.forgetWarnings();
   }
 
   private async rebuildIfNeeded(startup: boolean): Promise<void> {
@@ -119,12 +138,17 @@ export class SweeperService implements OnApplicationBootstrap, OnModuleDestroy {
     if (added !== null || !wiped) this.lastRebuild = now;
   }
 
-  /** Logs a failure once, not on every tick while a dependency stays down. */
-  private warn(what: string, err: unknown): void {
+  /** Once both loops ran without a failure: a failure that comes back is logged again. */
+  private forgetWarnings(): void {
+    if (!this.failed.sweep && !this.failed.upkeep) this.warned.clear();
+  }
+
+  /** Logs a failure once, not on every run while a dependency stays down. */
+  private warn(loop: 'sweep' | 'upkeep', what: string, err: unknown): void {
     const message =
       err instanceof DomainError && err.code === ErrorCode.DEPENDENCY_UNAVAILABLE ? err.message : String((err as Error)?.stack ?? err);
     const key = `${what}: ${message}`;
-    this.tickFailed = true;
+    this.failed[loop] = true;
     if (!this.warned.has(key)) this.logger.warn(`${what} failed: ${message}`);
     this.warned.add(key);
     if (this.warned.size > 100) this.warned.clear();

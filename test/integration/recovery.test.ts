@@ -226,6 +226,39 @@ describe('recovery: Redis wiped or down, Postgres down, an instance gone', () =>
     await proxy.cut();
   });
 
+  it('invariant 4: while Postgres hangs (answers nothing), expired holds still come back within 2 s', async () => {
+    const proxy = await TcpProxy.start(5432);
+    const viaProxy = await world.start({
+      DATABASE_URL: `postgres://postgres@127.0.0.1:${proxy.port}/${world.dbName}`,
+      // Its own keys: the other instance of this file, whose Postgres answers, must not sweep them.
+      REDIS_KEY_PREFIX: `${world.prefix}hung:`,
+      SWEEP_INTERVAL_MS: '250',
+      RECONCILE_INTERVAL_MS: '0',
+    });
+    try {
+      await seedPool(viaProxy, 'pg-hung', numbers(1));
+      // Every Postgres call of the instance now waits for its timeout (DB_TIMEOUT_MS, 5 s): the pool list's
+      // refresh every 2 s, and any commit to settle. The sweep must not wait for them.
+      proxy.latencyMs = 8000;
+      await sleep(2500);
+      let latest = 0;
+      for (let round = 0; round < 3; round++) {
+        const r = await viaProxy.post('/v1/pools/pg-hung/reservations', { owner: 'brief', count: 1, ttlMs: 1000 });
+        expect(r.status).toBe(201);
+        const { value: again } = await eventually(async () => {
+          const next = await viaProxy.post('/v1/pools/pg-hung/reservations', { owner: 'next', count: 1, ttlMs: 1000 });
+          return next.status === 201 && next;
+        }, 8000);
+        latest = Math.max(latest, Date.now() - Date.parse(r.body.expiresAt));
+        expect((await viaProxy.del(`/v1/reservations/${again.body.id}`)).status).toBe(200);
+      }
+      expect(latest).toBeLessThan(2000);
+    } finally {
+      await proxy.cut();
+      await viaProxy.close();
+    }
+  });
+
   it('invariant 4: holds of an instance that is gone come back to the pool after their expiry', async () => {
     const doomed = await world.start();
     await seedPool(doomed, 'crash', numbers(2));
