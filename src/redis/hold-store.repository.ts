@@ -179,6 +179,20 @@ export class HoldStore implements OnApplicationShutdown {
   }
 
   async reserve(pool: string, req: ReserveRequest): Promise<ReserveResult> {
+    try {
+      return await this.reserveOnce(pool, req);
+    } catch (err) {
+      // A reserve that got no answer in time may still run in Redis, and the caller is answered 503
+      // (nothing changed). Without an Idempotency-Key nobody can ever reach what it would hold (its id
+      // was never answered): it is released at once, after it (Redis runs one connection's commands in
+      // order, and none is re-sent after a reconnect). With a key, the caller's retry with the same key
+      // is answered with that reservation if it was made.
+      if (req.idempotencyKey === undefined && timedOut(err)) await this.release(pool, req.reservationId).catch(() => undefined);
+      throw err;
+    }
+  }
+
+  private async reserveOnce(pool: string, req: ReserveRequest): Promise<ReserveResult> {
     const reply = await this.run<string[]>(
       'reserve',
       pool,
@@ -417,6 +431,12 @@ export class HoldStore implements OnApplicationShutdown {
   async ping(): Promise<void> {
     await this.command(() => this.redis.ping());
   }
+}
+
+/** A command that got no answer within REDIS_TIMEOUT_MS (it may still run), as run() throws it. */
+function timedOut(err: unknown): boolean {
+  const cause = err instanceof DomainError ? (err as { cause?: unknown }).cause : err;
+  return cause instanceof Error && cause.message === REDIS_TIMEOUT_MESSAGE;
 }
 
 export function compareIds(a: string, b: string): number {

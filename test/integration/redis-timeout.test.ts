@@ -2,7 +2,8 @@ import { Redis } from 'ioredis';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { loadConfig } from '../../src/config/app-config.js';
 import { REDIS_TIMEOUT_MESSAGE, createRedis, withTimeout } from '../../src/redis/redis.client.js';
-import { REDIS_URL } from '../support/services.js';
+import { HttpAnswer, TestInstance, TestWorld, eventually, numbers, seedPool, sleep } from '../support/harness.js';
+import { OwnRedis, REDIS_URL } from '../support/services.js';
 
 /** Blocks this process's event loop, as a long GC pause or a starved cold start does. */
 function stall(ms: number): void {
@@ -47,5 +48,65 @@ describe('Redis command timeouts (withTimeout)', () => {
 
   it("a command's own error passes through unchanged", async () => {
     await expect(withTimeout(redis.call('NO-SUCH-COMMAND'), config.REDIS_TIMEOUT_MS)).rejects.toThrow(/unknown command/i);
+  });
+});
+
+describe('a reserve that got no answer in time', () => {
+  const world = new TestWorld('reservetimeout');
+  let own: OwnRedis;
+  let api: TestInstance;
+
+  beforeAll(async () => {
+    // A Redis of its own: these tests keep it busy.
+    own = await OwnRedis.start();
+    api = await world.start({ REDIS_URL: own.url, REDIS_TIMEOUT_MS: '200', RECONCILE_INTERVAL_MS: '0' });
+  });
+  afterAll(async () => {
+    await world.cleanup();
+    await own.stop();
+  });
+
+  /** `request` sent while Redis is busy for `ms` (a long script elsewhere, a stalled disk); its answer once Redis is free. */
+  async function whileRedisBusy(ms: number, request: () => Promise<HttpAnswer>): Promise<HttpAnswer> {
+    const client = new Redis(own.url);
+    const spin = `local t = redis.call('TIME'); local s = t[1] * 1000 + t[2] / 1000
+      repeat local n = redis.call('TIME') until n[1] * 1000 + n[2] / 1000 - s > tonumber(ARGV[1])
+      return 1`;
+    try {
+      await client.ping();
+      const busy = client.eval(spin, 0, ms);
+      await sleep(50);
+      const answer = await request();
+      await busy;
+      return answer;
+    } finally {
+      client.disconnect();
+    }
+  }
+
+  it('without an Idempotency-Key is answered 503, and holds nothing once Redis has run it', async () => {
+    await seedPool(api, 'slow', numbers(1), { maxHoldsPerOwner: 1 });
+    const r = await whileRedisBusy(700, () => api.post('/v1/pools/slow/reservations', { owner: 'buyer', count: 1, ttlMs: 600_000 }));
+    expect(r.status).toBe(503);
+    expect(r.body.error.code).toBe('DEPENDENCY_UNAVAILABLE');
+    // The reserve ran in Redis after all, and the release sent after it too: the item is free, and the
+    // owner's quota of 1 is not used up.
+    const { value } = await eventually(async () => {
+      const again = await api.post('/v1/pools/slow/reservations', { owner: 'buyer', count: 1 });
+      return again.status === 201 && again;
+    }, 2000);
+    expect(value.body.items).toHaveLength(1);
+  });
+
+  it('with an Idempotency-Key is answered 503, and its retry with the same key gets the reservation it made', async () => {
+    await seedPool(api, 'slow-keyed', numbers(2));
+    const body = { owner: 'buyer', count: 1, ttlMs: 600_000 };
+    const headers = { 'idempotency-key': 'order-7' };
+    const r = await whileRedisBusy(700, () => api.post('/v1/pools/slow-keyed/reservations', body, headers));
+    expect(r.status).toBe(503);
+    const retry = await api.post('/v1/pools/slow-keyed/reservations', body, headers);
+    expect(retry.status).toBe(200);
+    expect(retry.body.state).toBe('held');
+    expect((await api.get('/v1/pools/slow-keyed')).body.stats).toEqual({ total: 2, free: 1, held: 1, allocated: 0 });
   });
 });
