@@ -8,6 +8,7 @@ import type { IncomingMessage } from 'node:http';
 import type { Redis } from 'ioredis';
 import { AppModule } from './app.module.js';
 import { createValidationPipe } from './common/validation.js';
+import { addValidationLimits } from './common/openapi-limits.js';
 import { createPino, PinoLoggerService } from './common/logger.js';
 import { errorBody, ErrorCode, HTTP_STATUS } from './common/errors.js';
 import { MAX_PARAM_LENGTH, clientErrorResponse, mapFrameworkError } from './common/http-errors.js';
@@ -44,7 +45,7 @@ export function buildOpenApi(app: NestFastifyApplication) {
     )
     .setVersion(API_VERSION)
     .build();
-  return SwaggerModule.createDocument(app, config);
+  return addValidationLimits(SwaggerModule.createDocument(app, config));
 }
 
 /**

@@ -78,6 +78,30 @@ export class DtoValidationPipe implements PipeTransform {
   }
 }
 
+/**
+ * The body of a route that takes none: no body, `null` or `{}` pass; a field is refused like any unknown
+ * field, and so is a body that is not an object. See `NoBody` for the route's OpenAPI entry.
+ */
+@Injectable()
+export class NoBodyPipe implements PipeTransform {
+  transform(value: unknown): undefined {
+    if (value === undefined || value === null) return undefined;
+    if (typeof value !== 'object' || Array.isArray(value)) {
+      throw DomainError.validation([{ field: 'body', reason: 'this route takes no body (or {})' }]);
+    }
+    const fields = Object.keys(value);
+    if (fields.length > 0) throw DomainError.validation(fields.map((field) => ({ field, reason: `property ${field} should not exist` })));
+    return undefined;
+  }
+}
+
+/** The OpenAPI entry of a route that takes no body (`@ApiBody(NO_BODY)`, beside `@Body(NoBodyPipe)`). */
+export const NO_BODY = {
+  required: false,
+  description: 'None (an empty object is accepted too)',
+  schema: { type: 'object' as const, maxProperties: 0 },
+};
+
 export function createValidationPipe(): DtoValidationPipe {
   return new DtoValidationPipe();
 }

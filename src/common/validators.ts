@@ -22,7 +22,9 @@ export function IsResourceId(options?: ValidationOptions): PropertyDecorator {
   };
 }
 
-const MAX_ATTRIBUTES = 32;
+export const MAX_ATTRIBUTES = 32;
+export const MAX_ATTRIBUTE_KEY = 64;
+export const MAX_ATTRIBUTE_VALUE = 256;
 
 /** A plain object (not an array) whose values are all strings: what the Redis scripts can index as attributes. */
 export function isStringRecord(value: unknown): value is Record<string, string> {
@@ -38,7 +40,7 @@ export function IsFlatStringRecord(options?: ValidationOptions): PropertyDecorat
       target: target.constructor,
       propertyName: String(propertyName),
       options: {
-        message: `$property must be a flat object of at most ${MAX_ATTRIBUTES} string values (keys 1-64 characters, values up to 256)`,
+        message: `$property must be a flat object of at most ${MAX_ATTRIBUTES} string values (keys 1-${MAX_ATTRIBUTE_KEY} characters, values up to ${MAX_ATTRIBUTE_VALUE})`,
         ...options,
       },
       validator: {
@@ -47,7 +49,10 @@ export function IsFlatStringRecord(options?: ValidationOptions): PropertyDecorat
           const entries = Object.entries(value);
           return (
             entries.length <= MAX_ATTRIBUTES &&
-            entries.every(([k, v]) => k.length >= 1 && k.length <= 64 && !k.includes('\0') && v.length <= 256 && !v.includes('\0'))
+            entries.every(
+              ([k, v]) =>
+                k.length >= 1 && k.length <= MAX_ATTRIBUTE_KEY && !k.includes('\0') && v.length <= MAX_ATTRIBUTE_VALUE && !v.includes('\0'),
+            )
           );
         },
       },

@@ -1,5 +1,6 @@
 import { Controller, Get } from '@nestjs/common';
-import { ApiOperation, ApiTags } from '@nestjs/swagger';
+import { ApiExtraModels, ApiOperation, ApiResponse, ApiTags, getSchemaPath } from '@nestjs/swagger';
+import { ErrorResponseDto } from '../common/api-errors.decorator.js';
 import { HealthCheck, HealthCheckService, HealthIndicatorService, TypeOrmHealthIndicator } from '@nestjs/terminus';
 import { HoldStore } from '../redis/hold-store.repository.js';
 
@@ -22,6 +23,14 @@ export class HealthController {
 
   @Get('ready')
   @ApiOperation({ summary: 'Postgres and Redis answer (503 otherwise)' })
+  // Over @HealthCheck's 503: the service answers it with the API's error body (src/common/http-errors.ts).
+  @ApiResponse({
+    status: 503,
+    description:
+      "DEPENDENCY_UNAVAILABLE; `details.report` is the check's report: `status`, and `info`, `error` and `details` by dependency",
+    schema: { $ref: getSchemaPath(ErrorResponseDto) },
+  })
+  @ApiExtraModels(ErrorResponseDto)
   @HealthCheck()
   ready() {
     return this.health.check([

@@ -15,7 +15,7 @@ import {
   Min,
   ValidateNested,
 } from 'class-validator';
-import { IsFlatStringRecord, IsResourceId, POOL_NAME } from '../common/validators.js';
+import { IsFlatStringRecord, IsResourceId, POOL_NAME, RESOURCE_ID } from '../common/validators.js';
 
 export const POOL_KINDS = ['number', 'task'] as const;
 export type PoolKind = (typeof POOL_KINDS)[number];
@@ -28,7 +28,7 @@ export class PoolParams {
 }
 
 export class ResourceParams extends PoolParams {
-  @ApiProperty({ description: 'Resource id (a Postgres bigint, as a string)', example: '5780' })
+  @ApiProperty({ description: 'Resource id (a Postgres bigint, as a string)', example: '5780', pattern: RESOURCE_ID.source })
   @IsResourceId()
   id: string;
 }
@@ -50,7 +50,11 @@ export class CreatePoolDto {
   @Max(MAX_TTL_MS)
   holdTtlMs?: number;
 
-  @ApiPropertyOptional({ description: 'Longest hold a caller may ask for, ms (at least holdTtlMs)', default: 3_600_000, minimum: 1000 })
+  @ApiPropertyOptional({
+    description: 'Longest hold a caller may ask for, ms (at least holdTtlMs; send it with a holdTtlMs above its default)',
+    default: 3_600_000,
+    minimum: 1000,
+  })
   @IsOptional()
   @IsInt()
   @Min(1000)

@@ -45,9 +45,13 @@ export class PoolsService {
 
   async create(dto: CreatePoolDto): Promise<PoolDto> {
     const holdTtlMs = dto.holdTtlMs ?? DEFAULT_HOLD_TTL_MS;
-    const maxHoldTtlMs = dto.maxHoldTtlMs ?? Math.max(DEFAULT_MAX_HOLD_TTL_MS, holdTtlMs);
+    // API.md's default, whatever holdTtlMs is: a longer holdTtlMs needs maxHoldTtlMs sent with it.
+    const maxHoldTtlMs = dto.maxHoldTtlMs ?? DEFAULT_MAX_HOLD_TTL_MS;
     if (holdTtlMs > maxHoldTtlMs) {
-      throw DomainError.validation([{ field: 'holdTtlMs', reason: `holdTtlMs must not be greater than maxHoldTtlMs (${maxHoldTtlMs})` }]);
+      const given = dto.maxHoldTtlMs === undefined ? `, its default; send a maxHoldTtlMs of at least ${holdTtlMs}` : '';
+      throw DomainError.validation([
+        { field: 'holdTtlMs', reason: `holdTtlMs must not be greater than maxHoldTtlMs (${maxHoldTtlMs}${given})` },
+      ]);
     }
     // The pool's Redis generation first: a rebuild takes a missing key for a wiped Redis. Not while Redis
     // is wiped and not rebuilt yet (the rebuild would bump the generation read now), and nothing is

@@ -23,7 +23,11 @@ export const RESERVATION_STATES = ['held', 'confirmed', 'released', 'expired'] a
 export type ReservationState = (typeof RESERVATION_STATES)[number];
 
 export class ReservationParams {
-  @ApiProperty({ description: 'Reservation id, as returned by reserve', example: 'phone-bj.9b2d7c1e-1f7a-4c55-9a43-2b0f6f1d2e11' })
+  @ApiProperty({
+    description: 'Reservation id, as returned by reserve',
+    example: 'phone-bj.9b2d7c1e-1f7a-4c55-9a43-2b0f6f1d2e11',
+    pattern: RESERVATION_ID_PATTERN,
+  })
   @Matches(new RegExp(RESERVATION_ID_PATTERN), { message: 'id is not a reservation id' })
   id: string;
 }

@@ -1,11 +1,12 @@
 import { Body, Controller, Delete, Get, Headers, HttpCode, Param, Post, Res } from '@nestjs/common';
-import { ApiCreatedResponse, ApiHeader, ApiOkResponse, ApiOperation, ApiTags } from '@nestjs/swagger';
+import { ApiBody, ApiCreatedResponse, ApiHeader, ApiOkResponse, ApiOperation, ApiTags } from '@nestjs/swagger';
 import type { FastifyReply } from 'fastify';
 import { ApiErrors } from '../common/api-errors.decorator.js';
 import { ErrorCode } from '../common/errors.js';
+import { NO_BODY, NoBodyPipe } from '../common/validation.js';
 import { PoolParams } from '../pools/pool.dto.js';
 import { ConfirmDto, ConfirmResultDto, CreateReservationDto, ExtendDto, ReservationDto, ReservationParams } from './reservation.dto.js';
-import { ReservationsService } from './reservations.service.js';
+import { IDEMPOTENCY_KEY, ReservationsService } from './reservations.service.js';
 
 @ApiTags('reservations')
 @Controller()
@@ -17,7 +18,8 @@ export class ReservationsController {
   @ApiHeader({
     name: 'Idempotency-Key',
     required: false,
-    description: 'Repeat the call with the same key and body to get the same reservation (200)',
+    description: 'Repeat the call with the same key and body to get the same reservation (200); 1-255 visible ASCII characters',
+    schema: { type: 'string', pattern: IDEMPOTENCY_KEY.source, minLength: 1, maxLength: 255 },
   })
   @ApiCreatedResponse({ type: ReservationDto, description: 'Items held' })
   @ApiOkResponse({ type: ReservationDto, description: 'Replay of an earlier call with the same Idempotency-Key' })
@@ -76,7 +78,8 @@ export class ReservationsController {
   @ApiOperation({ summary: 'Release every held item of the reservation at once (idempotent)' })
   @ApiOkResponse({ type: ReservationDto })
   @ApiErrors(ErrorCode.VALIDATION_FAILED, ErrorCode.RESERVATION_NOT_FOUND, ErrorCode.RESERVATION_CLOSED)
-  release(@Param() params: ReservationParams): Promise<ReservationDto> {
+  @ApiBody(NO_BODY)
+  release(@Param() params: ReservationParams, @Body(NoBodyPipe) _body: unknown): Promise<ReservationDto> {
     return this.reservations.release(params.id);
   }
 }

@@ -11,7 +11,8 @@ import { CommitService, notFound } from './commit.service.js';
 import { ConfirmResultDto, CreateReservationDto, ReservationDto } from './reservation.dto.js';
 import { committedReservationDto, toConfirmResult, toReservationDto } from './reservation.view.js';
 
-const IDEMPOTENCY_KEY = /^[\x21-\x7e]{1,255}$/;
+/** An Idempotency-Key: 1-255 visible ASCII characters. */
+export const IDEMPOTENCY_KEY = /^[\x21-\x7e]{1,255}$/;
 
 export interface ReserveAnswer {
   /** false when an Idempotency-Key replayed an earlier reservation (200 instead of 201). */

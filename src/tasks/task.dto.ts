@@ -4,7 +4,11 @@ import { MAX_TTL_MS } from '../pools/pool.dto.js';
 import { RESERVATION_ID_PATTERN } from '../redis/keys.js';
 
 export class LeaseParams {
-  @ApiProperty({ description: 'Lease id, as returned by pull-next', example: 'reviews.0b7f3f52-8a0e-4d8c-9d1c-3f7e2a9b1c44' })
+  @ApiProperty({
+    description: 'Lease id, as returned by pull-next',
+    example: 'reviews.0b7f3f52-8a0e-4d8c-9d1c-3f7e2a9b1c44',
+    pattern: RESERVATION_ID_PATTERN,
+  })
   @Matches(new RegExp(RESERVATION_ID_PATTERN), { message: 'leaseId is not a lease id' })
   leaseId: string;
 }

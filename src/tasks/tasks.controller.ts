@@ -1,8 +1,9 @@
 import { Body, Controller, HttpCode, Param, Post, Res } from '@nestjs/common';
-import { ApiNoContentResponse, ApiOkResponse, ApiOperation, ApiTags } from '@nestjs/swagger';
+import { ApiBody, ApiNoContentResponse, ApiOkResponse, ApiOperation, ApiTags } from '@nestjs/swagger';
 import type { FastifyReply } from 'fastify';
 import { ApiErrors } from '../common/api-errors.decorator.js';
 import { ErrorCode } from '../common/errors.js';
+import { NO_BODY, NoBodyPipe } from '../common/validation.js';
 import { PoolParams } from '../pools/pool.dto.js';
 import { HeartbeatDto, HeartbeatResultDto, LeaseParams, NextTaskDto, TaskLeaseDto, TaskStateDto } from './task.dto.js';
 import { TasksService } from './tasks.service.js';
@@ -30,6 +31,7 @@ export class TasksController {
   @Post('v1/tasks/:leaseId/heartbeat')
   @HttpCode(200)
   @ApiOperation({ summary: 'Extend a live lease' })
+  @ApiBody({ type: HeartbeatDto, required: false, description: "Optional: without a body, the lease is extended by the pool's holdTtlMs" })
   @ApiOkResponse({ type: HeartbeatResultDto })
   @ApiErrors(ErrorCode.VALIDATION_FAILED, ErrorCode.RESERVATION_NOT_FOUND, ErrorCode.HOLD_EXPIRED, ErrorCode.RESERVATION_CLOSED)
   heartbeat(@Param() params: LeaseParams, @Body() dto: HeartbeatDto): Promise<HeartbeatResultDto> {
@@ -41,7 +43,8 @@ export class TasksController {
   @ApiOperation({ summary: 'Allocate the task to the reviewer (idempotent)' })
   @ApiOkResponse({ type: TaskStateDto })
   @ApiErrors(ErrorCode.VALIDATION_FAILED, ErrorCode.RESERVATION_NOT_FOUND, ErrorCode.HOLD_LOST, ErrorCode.RESERVATION_CLOSED)
-  complete(@Param() params: LeaseParams): Promise<TaskStateDto> {
+  @ApiBody(NO_BODY)
+  complete(@Param() params: LeaseParams, @Body(NoBodyPipe) _body: unknown): Promise<TaskStateDto> {
     return this.tasks.complete(params.leaseId);
   }
 
@@ -50,7 +53,8 @@ export class TasksController {
   @ApiOperation({ summary: 'Give the task back: it is free again at once' })
   @ApiOkResponse({ type: TaskStateDto })
   @ApiErrors(ErrorCode.VALIDATION_FAILED, ErrorCode.RESERVATION_NOT_FOUND, ErrorCode.RESERVATION_CLOSED)
-  abandon(@Param() params: LeaseParams): Promise<TaskStateDto> {
+  @ApiBody(NO_BODY)
+  abandon(@Param() params: LeaseParams, @Body(NoBodyPipe) _body: unknown): Promise<TaskStateDto> {
     return this.tasks.abandon(params.leaseId);
   }
 }

@@ -69,6 +69,48 @@ describe('operations: health, metrics, OpenAPI, request ids', () => {
       }
     }
     expect(undescribed).toEqual([]);
+    // Every field has a type (or a schema of its own), and an object field says what it holds.
+    const untyped: string[] = [];
+    for (const [name, schema] of Object.entries<any>(doc.components.schemas)) {
+      for (const [field, prop] of Object.entries<any>(schema.properties ?? {})) {
+        const typed = prop.type || prop.$ref || prop.allOf;
+        if (!typed || (prop.type === 'object' && !prop.properties && !prop.additionalProperties)) untyped.push(`${name}.${field}`);
+      }
+    }
+    expect(untyped).toEqual([]);
+    // The limits the validation decorators enforce, stated by the document.
+    const { CreatePoolDto, CreateReservationDto, ConfirmDto, ImportResourcesDto, ImportItemDto } = doc.components.schemas;
+    expect(CreatePoolDto.properties.maxHoldsPerOwner).toMatchObject({ type: 'integer', minimum: 1, maximum: 1_000_000, nullable: true });
+    expect(CreatePoolDto.properties.maxHoldTtlMs).toMatchObject({ type: 'integer', default: 3_600_000, minimum: 1000 });
+    expect(CreateReservationDto.properties.count).toMatchObject({ type: 'integer', minimum: 1, maximum: 100 });
+    expect(CreateReservationDto.properties.waitMs).toMatchObject({ type: 'integer', minimum: 0, maximum: 30_000 });
+    expect(ConfirmDto.properties.resourceIds).toMatchObject({
+      minItems: 1,
+      maxItems: 100,
+      uniqueItems: true,
+      items: { pattern: '^[1-9][0-9]{0,18}$' },
+    });
+    expect(ImportResourcesDto.properties.items).toMatchObject({ minItems: 1, maxItems: 10_000 });
+    expect(ImportItemDto.properties.value).toMatchObject({ minLength: 1, maxLength: 256 });
+    expect(ImportItemDto.properties.attributes).toMatchObject({
+      maxProperties: 32,
+      additionalProperties: { type: 'string', maxLength: 256 },
+    });
+    for (const [path, methods] of Object.entries<any>(doc.paths)) {
+      for (const operation of Object.values<any>(methods)) {
+        for (const param of operation.parameters ?? []) {
+          if (param.in === 'path') expect(param.schema.pattern, `${path} ${param.name}`).toBeTruthy();
+        }
+      }
+    }
+    expect(doc.paths['/v1/tasks/{leaseId}/heartbeat'].post.requestBody.required).toBe(false);
+    expect(doc.paths['/v1/tasks/{leaseId}/complete'].post.requestBody).toMatchObject({
+      required: false,
+      content: { 'application/json': { schema: { maxProperties: 0 } } },
+    });
+    expect(doc.paths['/health/ready'].get.responses['503'].content['application/json'].schema).toEqual({
+      $ref: '#/components/schemas/ErrorResponseDto',
+    });
     expect(doc.components.schemas.CreateReservationDto.required).toEqual(['owner']);
     expect(doc.paths['/v1/pools/{pool}/reservations'].post.responses).toHaveProperty('409');
     expect((await api.get('/docs')).status).toBe(200);

@@ -52,6 +52,8 @@ describe('pools and resources', () => {
       { name: 'ok' },
       { name: 'ok', kind: 'number', holdTtlMs: 500 },
       { name: 'ok', kind: 'number', holdTtlMs: 10_000, maxHoldTtlMs: 5000 },
+      // maxHoldTtlMs defaults to 3,600,000 (API.md), whatever holdTtlMs is.
+      { name: 'ok', kind: 'number', holdTtlMs: 5_000_000 },
       { name: 'ok', kind: 'number', maxHoldsPerOwner: 0 },
       { name: 'ok', kind: 'number', colour: 'red' },
     ]) {

@@ -205,6 +205,11 @@ describe('reservations', () => {
   it('DELETE releases the held items at once and is idempotent; confirm afterwards is RESERVATION_CLOSED', async () => {
     await seedPool(api, 'release', numbers(2));
     const r = await reserve('release', { owner: 'walker', count: 2 });
+    // It takes no body: a field is refused like any unknown one, and releases nothing.
+    const withBody = await api.request('DELETE', `/v1/reservations/${r.body.id}`, { force: true });
+    expect(withBody.status).toBe(400);
+    expect(withBody.body.error.details.fields).toEqual([{ field: 'force', reason: 'property force should not exist' }]);
+    expect(await stats('release')).toEqual({ total: 2, free: 0, held: 2, allocated: 0 });
     const released = await api.del(`/v1/reservations/${r.body.id}`);
     expect(released.status).toBe(200);
     expect(released.body.state).toBe('released');

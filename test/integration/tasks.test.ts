@@ -114,4 +114,21 @@ describe('review tasks', () => {
       expect((await a.post(`/v1/tasks/not-a-lease/${path}`, {})).status).toBe(400);
     }
   });
+
+  it('complete and abandon take no body: a field is refused like any unknown one, and changes nothing', async () => {
+    await taskPool('no-body', [{ value: 'task-1' }]);
+    const lease = await next(a, 'no-body', 'r-1');
+    expect(lease.status).toBe(200);
+    for (const path of ['complete', 'abandon']) {
+      for (const body of [{ leaseMs: 1000 }, [1], '"x"']) {
+        const answer = await a.post(`/v1/tasks/${lease.body.leaseId}/${path}`, body);
+        expect(answer.status, `${path} ${JSON.stringify(body)}`).toBe(400);
+        expect(answer.body.error.code).toBe('VALIDATION_FAILED');
+      }
+    }
+    expect((await a.get('/v1/pools/no-body')).body.stats).toEqual({ total: 1, free: 0, held: 1, allocated: 0 });
+    // No body, or an empty object, as before.
+    expect((await a.request('POST', `/v1/tasks/${lease.body.leaseId}/complete`)).status).toBe(200);
+    expect((await a.post(`/v1/tasks/${lease.body.leaseId}/complete`, {})).status).toBe(200);
+  });
 });
