@@ -68,6 +68,11 @@ export class PoolsService {
       maxHoldsPerOwner: dto.maxHoldsPerOwner ?? null,
     });
     if (!pool) throw new DomainError(ErrorCode.POOL_EXISTS, `pool "${dto.name}" already exists`, { pool: dto.name });
+    // Redis wiped between the key's write and the insert, and rebuilt from a pool list read before the
+    // insert: the key is gone, and nothing writes it again; a later rebuild would take that for a wipe
+    // and fence every live hold. Written again in the current generation: a rebuild that bumps it after
+    // this read lists the pool (its row is in) and writes the newer one over it.
+    await this.holds.setGeneration(pool.name, await this.generations.current(), 'ifMissing');
     this.catalog.remember(pool);
     return toPoolDto(pool);
   }

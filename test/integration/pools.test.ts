@@ -1,5 +1,7 @@
 import { afterAll, beforeAll, describe, expect, it, vi } from 'vitest';
+import { PoolRepository } from '../../src/database/pool.repository.js';
 import { HoldStore } from '../../src/redis/hold-store.repository.js';
+import { poolKeys } from '../../src/redis/keys.js';
 import { TestInstance, TestWorld, numbers, seedPool, sleep, staleReadAt } from '../support/harness.js';
 
 describe('pools and resources', () => {
@@ -13,6 +15,30 @@ describe('pools and resources', () => {
 
   const poolCount = async () => (await world.query(`SELECT count(*)::int AS n FROM t_pool`))[0].n;
   const resourceCount = async () => (await world.query(`SELECT count(*)::int AS n FROM t_resource`))[0].n;
+
+  it("a pool whose Redis generation key is lost between its write and the pool's insert (a wipe then) gets it again", async () => {
+    const pools = api.app.get(PoolRepository);
+    const insert = pools.insert.bind(pools);
+    const { Redis } = await import('ioredis');
+    const client = new Redis(api.config.REDIS_URL);
+    // As if Redis was wiped after the key was written, and rebuilt from a pool list read before the insert.
+    const lost = vi.spyOn(pools, 'insert').mockImplementationOnce(async (row) => {
+      await client.del(poolKeys(world.prefix, row.name).generation);
+      return insert(row);
+    });
+    try {
+      expect((await api.post('/v1/pools', { name: 'key-lost', kind: 'number' })).status).toBe(201);
+      expect(lost).toHaveBeenCalled();
+      const [{ gen }] = await world.query(`SELECT gen::int AS gen FROM t_redis_generation`);
+      expect(await client.get(poolKeys(world.prefix, 'key-lost').generation)).toBe(String(gen));
+    } finally {
+      lost.mockRestore();
+      client.disconnect();
+    }
+    // Its items are indexed, and reserved.
+    expect((await api.post('/v1/pools/key-lost/resources', { items: [{ value: '1' }] })).body.inserted).toBe(1);
+    expect((await api.post('/v1/pools/key-lost/reservations', { owner: 'o' })).status).toBe(201);
+  });
 
   it('creates a pool with the documented defaults and refuses a taken name', async () => {
     const created = await api.post('/v1/pools', { name: 'phone-bj', kind: 'number' });
