@@ -10,7 +10,7 @@ import { AppModule } from './app.module.js';
 import { createValidationPipe } from './common/validation.js';
 import { addValidationLimits } from './common/openapi-limits.js';
 import { createPino, PinoLoggerService } from './common/logger.js';
-import { errorBody, ErrorCode, HTTP_STATUS } from './common/errors.js';
+import { DomainError, errorBody, ErrorCode, HTTP_STATUS } from './common/errors.js';
 import { MAX_PARAM_LENGTH, clientErrorResponse, mapFrameworkError } from './common/http-errors.js';
 import { RateLimiter } from './common/rate-limiter.js';
 import { AppConfig } from './config/app-config.js';
@@ -98,6 +98,14 @@ export async function createApp(config: AppConfig, options: { logger?: boolean }
   fastify.addHook('onRequest', async (req: FastifyRequest, reply: FastifyReply) => {
     req.receivedAtMs = Date.now();
     void reply.header('x-request-id', req.id);
+  });
+  // No call of the API takes a query string (API.md): a field in one is refused like any unknown field.
+  fastify.addHook('onRequest', async (req: FastifyRequest, reply: FastifyReply) => {
+    if (!req.url.startsWith('/v1/') || !req.url.includes('?')) return;
+    const fields = Object.keys(req.query as object);
+    if (fields.length === 0) return;
+    const refused = DomainError.validation(fields.map((field) => ({ field, reason: `query parameter ${field} is not accepted` })));
+    await reply.status(refused.status).send(errorBody(refused.code, refused.message, refused.details));
   });
   const logRequests = config.LOG_REQUESTS === 'true' && options.logger !== false;
   fastify.addHook('onResponse', async (req: FastifyRequest, reply: FastifyReply) => {

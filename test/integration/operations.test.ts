@@ -178,4 +178,18 @@ describe('operations: health, metrics, OpenAPI, request ids', () => {
     }
     expect((await api.get('/v1/pools/raw')).body.stats).toEqual({ total: 2, free: 2, held: 0, allocated: 0 });
   });
+
+  it('refuses a query string on the API, which no call takes, like any unknown field, and changes nothing', async () => {
+    await seedPool(api, 'query', numbers(2));
+    const read = await api.get('/v1/pools/query?x=1');
+    expect(read.status).toBe(400);
+    expect(read.body.error.details.fields).toEqual([{ field: 'x', reason: 'query parameter x is not accepted' }]);
+    const reserve = await api.post('/v1/pools/query/reservations?count=2', { owner: 'o' });
+    expect(reserve.status).toBe(400);
+    expect(reserve.body.error.code).toBe('VALIDATION_FAILED');
+    expect((await api.get('/v1/pools/query')).body.stats).toEqual({ total: 2, free: 2, held: 0, allocated: 0 });
+    // Not the API's: the OpenAPI document and the operations endpoints are served as before.
+    expect((await api.get('/docs-json?x=1')).status).toBe(200);
+    expect((await api.get('/health/live?x=1')).status).toBe(200);
+  });
 });
