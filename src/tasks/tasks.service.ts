@@ -6,7 +6,7 @@ import { MetricsService } from '../metrics/metrics.service.js';
 import { PoolCatalog } from '../pools/pool-catalog.service.js';
 import { HoldStore, StoredReservation } from '../redis/hold-store.repository.js';
 import { makeReservationId } from '../redis/keys.js';
-import { CommitService } from '../reservations/commit.service.js';
+import { CommitService, notFound } from '../reservations/commit.service.js';
 import { ReservationsService, holdTtl, poolOf } from '../reservations/reservations.service.js';
 import { HeartbeatResultDto, NextTaskDto, TaskLeaseDto, TaskStateDto } from './task.dto.js';
 
@@ -83,8 +83,11 @@ export class TasksService {
     return pool;
   }
 
-  private leasePool(leaseId: string): Promise<PoolEntity> {
-    return poolOf(this.catalog, leaseId);
+  /** The task pool of a lease id; a reservation of a number pool is no lease (404, as an unknown id). */
+  private async leasePool(leaseId: string): Promise<PoolEntity> {
+    const pool = await poolOf(this.catalog, leaseId);
+    if (pool.kind !== 'task') throw notFound(leaseId);
+    return pool;
   }
 }
 

@@ -113,6 +113,16 @@ describe('review tasks', () => {
       expect(answer.body.error.code).toBe('RESERVATION_NOT_FOUND');
       expect((await a.post(`/v1/tasks/not-a-lease/${path}`, {})).status).toBe(400);
     }
+    // A reservation of a number pool is no lease: the task calls do not touch it.
+    await a.post('/v1/pools/numbers-only/resources', { items: [{ value: '1' }, { value: '2' }] });
+    const r = await a.post('/v1/pools/numbers-only/reservations', { owner: 'buyer', count: 2 });
+    for (const path of ['heartbeat', 'complete', 'abandon']) {
+      const answer = await a.post(`/v1/tasks/${r.body.id}/${path}`, {});
+      expect(answer.status, path).toBe(404);
+      expect(answer.body.error.code).toBe('RESERVATION_NOT_FOUND');
+    }
+    expect((await a.get(`/v1/reservations/${r.body.id}`)).body.state).toBe('held');
+    expect((await a.get('/v1/pools/numbers-only')).body.stats).toEqual({ total: 2, free: 0, held: 2, allocated: 0 });
   });
 
   it('complete and abandon take no body: a field is refused like any unknown one, and changes nothing', async () => {
