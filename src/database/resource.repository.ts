@@ -67,15 +67,20 @@ export class ResourceRepository {
    * (free, at version 0, with the attributes and group it was given). The values must be distinct.
    */
   insertMany(poolId: string, items: NewResource[]): Promise<{ id: string; value: string }[]> {
-    return pg(() =>
+    // In one order of values for every import: two imports of the same new values then wait on each other's
+    // index entries in that order, one after the other, where in opposite orders Postgres ends one of them
+    // as a deadlock. (A deadlock still met, with another writer of the table, is run again: nothing of it
+    // was written.)
+    const sorted = [...items].sort((x, y) => (x.value < y.value ? -1 : x.value > y.value ? 1 : 0));
+    const insert = (): Promise<{ id: string; value: string }[]> =>
       this.db.query(
         `INSERT INTO t_resource (pool_id, value, attributes, group_key)
          SELECT $1, v, a, g FROM unnest($2::varchar[], $3::jsonb[], $4::text[]) AS i(v, a, g)
          ON CONFLICT (pool_id, value) DO NOTHING
          RETURNING id::text AS id, value`,
-        [poolId, items.map((i) => i.value), items.map((i) => JSON.stringify(i.attributes)), items.map((i) => i.groupKey)],
-      ),
-    );
+        [poolId, sorted.map((i) => i.value), sorted.map((i) => JSON.stringify(i.attributes)), sorted.map((i) => i.groupKey)],
+      );
+    return pg(() => insert().catch((err: unknown) => (sqlState(err) === '40P01' ? insert() : Promise.reject(err))));
   }
 
   async findById(poolId: string, id: string): Promise<ResourceRow | null> {

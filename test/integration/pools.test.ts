@@ -40,6 +40,23 @@ describe('pools and resources', () => {
     expect((await api.post('/v1/pools/key-lost/reservations', { owner: 'o' })).status).toBe(201);
   });
 
+  it('two imports of the same new values at once (a retried slow import) both answer, between them inserting each once', async () => {
+    expect((await api.post('/v1/pools', { name: 'twice', kind: 'number' })).status).toBe(201);
+    const values = numbers(3000, '1390000');
+    for (let round = 0; round < 3; round++) {
+      const batch = values.slice(round * 1000, (round + 1) * 1000).map((value) => ({ value }));
+      // In opposite orders: Postgres used to end one of them as a deadlock, answered 503.
+      const answers = await Promise.all([
+        api.post('/v1/pools/twice/resources', { items: batch }),
+        api.post('/v1/pools/twice/resources', { items: [...batch].reverse() }),
+      ]);
+      expect(answers.map((a) => a.status)).toEqual([201, 201]);
+      expect(answers[0].body.inserted + answers[1].body.inserted).toBe(1000);
+      expect(answers[0].body.duplicates + answers[1].body.duplicates).toBe(1000);
+    }
+    expect((await api.get('/v1/pools/twice')).body.stats).toEqual({ total: 3000, free: 3000, held: 0, allocated: 0 });
+  });
+
   it('creates a pool with the documented defaults and refuses a taken name', async () => {
     const created = await api.post('/v1/pools', { name: 'phone-bj', kind: 'number' });
     expect(created.status).toBe(201);
