@@ -88,6 +88,13 @@ export class ResourceRepository {
     return rows[0] ?? null;
   }
 
+  /** The free rows of the pool with these values. */
+  findFreeByValues(poolId: string, values: string[]): Promise<ResourceRow[]> {
+    return pg(() =>
+      this.db.query(`SELECT ${ROW} FROM t_resource WHERE pool_id = $1 AND value = ANY($2::varchar[]) AND state = 1`, [poolId, values]),
+    );
+  }
+
   findMany(poolId: string, ids: string[]): Promise<ResourceRow[]> {
     return pg(() => this.db.query(`SELECT ${ROW} FROM t_resource WHERE pool_id = $1 AND id = ANY($2::bigint[])`, [poolId, ids]));
   }

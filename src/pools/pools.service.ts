@@ -11,6 +11,10 @@ import { PoolCatalog } from './pool-catalog.service.js';
 import { CreatePoolDto, ImportResourcesDto, ImportResultDto, PoolDto, PoolWithStatsDto, ResourceDto } from './pool.dto.js';
 
 export const DEFAULT_HOLD_TTL_MS = 600_000;
+/** Free items an instance keeps to index later (see reindexPending); beyond it, the periodic rebuild adds them. */
+const MAX_UNINDEXED = 100_000;
+/** Items of a pool reindexPending reads and indexes in one go. */
+const REINDEX_BATCH = 5000;
 export const DEFAULT_MAX_HOLD_TTL_MS = 3_600_000;
 
 export function toPoolDto(pool: PoolEntity): PoolDto {
@@ -34,6 +38,9 @@ export function toCachedItem(row: Pick<ResourceRow, 'id' | 'value' | 'version' |
 @Injectable()
 export class PoolsService {
   private readonly logger = new Logger(PoolsService.name);
+  /** Free items committed by this instance whose Redis step failed, by pool name (see reindexPending). */
+  private readonly unindexed = new Map<string, Set<string>>();
+  private unindexedCount = 0;
 
   constructor(
     private readonly pools: PoolRepository,
@@ -102,13 +109,19 @@ export class PoolsService {
       if (!byValue.has(i.value)) byValue.set(i.value, { value: i.value, attributes: i.attributes ?? {}, groupKey: i.groupKey ?? null });
     }
     const rows = await this.resources.insertMany(pool.id, [...byValue.values()]);
-    try {
-      const items = rows.map(({ id, value }) => toCachedItem({ id, version: 0, ...byValue.get(value)! }));
-      await this.indexFree(pool, readAt, items);
-    } catch (err) {
-      // The rows are committed; the reconciler adds them to Redis once it is back.
-      this.logger.warn(`imported ${rows.length} items into "${pool.name}" but could not index them in Redis: ${String(err)}`);
+    const items = rows.map(({ id, value }) => toCachedItem({ id, version: 0, ...byValue.get(value)! }));
+    if (rows.length < byValue.size) {
+      // Values already in the pool: an earlier import of them may have committed without reaching Redis (its
+      // Redis step failed, or its answer was lost and this is the caller's retry). Those still free are
+      // indexed again; the scripts leave alone what is held or indexed already.
+      const inserted = new Set(rows.map((row) => row.value));
+      const known = await this.resources.findFreeByValues(
+        pool.id,
+        [...byValue.keys()].filter((value) => !inserted.has(value)),
+      );
+      items.push(...known.filter((row) => isStringRecord(row.attributes)).map(toCachedItem));
     }
+    await this.indexFreeOrLater(pool, readAt, items, 'imported');
     return { inserted: rows.length, duplicates: dto.items.length - rows.length };
   }
 
@@ -131,27 +144,84 @@ export class PoolsService {
     if (!row) {
       const existing = await this.resources.findById(pool.id, id);
       if (!existing) throw resourceNotFound(pool.name, id);
+      // Free already: perhaps released by this caller before, without reaching Redis (its Redis step failed,
+      // or its answer was lost and this is the retry). Indexed again; the scripts leave a held item alone.
+      if (existing.state === RESOURCE_FREE && isStringRecord(existing.attributes)) {
+        await this.indexFreeOrLater(pool, readAt, [toCachedItem(existing)], 'released');
+      }
       throw new DomainError(ErrorCode.NOT_ALLOCATED, `resource ${id} is not allocated to "${owner}"`, { resourceId: id, owner });
     }
-    try {
-      await this.indexFree(pool, readAt, [toCachedItem(row)]);
-    } catch (err) {
-      this.logger.warn(`released resource ${id} of "${pool.name}" but could not index it in Redis: ${String(err)}`);
-    }
+    await this.indexFreeOrLater(pool, readAt, [toCachedItem(row)], 'released');
     return toResourceDto(pool.name, row, 'free');
+  }
+
+  /**
+   * indexFree, and when Redis cannot take the items now, remembered for the sweeper's upkeep to index
+   * (reindexPending): they are free in Postgres, committed, and must become reservable without waiting
+   * for the periodic rebuild (or, with RECONCILE_INTERVAL_MS 0, for a restart).
+   */
+  private async indexFreeOrLater(pool: PoolEntity, readAt: number, items: CachedItem[], what: string): Promise<void> {
+    if (items.length === 0) return;
+    let indexed = false;
+    try {
+      indexed = await this.indexFree(pool, readAt, items);
+    } catch (err) {
+      this.logger.warn(`${what} ${items.length} items of "${pool.name}" but could not index them in Redis yet: ${String(err)}`);
+    }
+    if (!indexed)
+      this.rememberUnindexed(
+        pool.name,
+        items.map((item) => item.id),
+      );
+  }
+
+  private rememberUnindexed(pool: string, ids: string[]): void {
+    const pending = this.unindexed.get(pool) ?? new Set<string>();
+    for (const id of ids) {
+      if (this.unindexedCount >= MAX_UNINDEXED) {
+        this.logger.warn(`more than ${MAX_UNINDEXED} free items wait to be indexed in Redis; the next rebuild adds the rest`);
+        break;
+      }
+      if (!pending.has(id)) this.unindexedCount++;
+      pending.add(id);
+    }
+    this.unindexed.set(pool, pending);
+  }
+
+  /**
+   * Indexes the free items that an import or a release of this instance committed but could not index
+   * (Redis down or too slow then), from what Postgres says of them now. Run by the sweeper's upkeep.
+   */
+  async reindexPending(): Promise<number> {
+    let added = 0;
+    for (const [name, pending] of [...this.unindexed]) {
+      const ids = [...pending].slice(0, REINDEX_BATCH);
+      const pool = await this.catalog.get(name);
+      const readAt = await this.holds.clock();
+      const generation = await this.generations.current();
+      const rows = await this.resources.findMany(pool.id, ids);
+      const free = rows.filter((row) => row.state === RESOURCE_FREE && isStringRecord(row.attributes)).map(toCachedItem);
+      const page = await this.holds.addFree(pool.name, generation, readAt, free);
+      if (page === null) continue; // this instance stalled after the read: read again next time
+      for (const id of ids) pending.delete(id);
+      this.unindexedCount -= ids.length;
+      if (pending.size === 0) this.unindexed.delete(name);
+      added += page;
+    }
+    return added;
   }
 
   /**
    * Adds items just made free in Postgres (imported, released) to Redis. `readAt` is Redis' clock before that
    * write: if this instance stalled so long that Redis refuses it (HoldStore.addFree), the rows are read again.
    */
-  private async indexFree(pool: PoolEntity, readAt: number, items: CachedItem[]): Promise<void> {
+  private async indexFree(pool: PoolEntity, readAt: number, items: CachedItem[]): Promise<boolean> {
     let generation = await this.generations.current();
     for (let attempt = 1; ; attempt++) {
-      if ((await this.holds.addFree(pool.name, generation, readAt, items)) !== null) return;
+      if ((await this.holds.addFree(pool.name, generation, readAt, items)) !== null) return true;
       if (attempt === 3) {
-        this.logger.warn(`${items.length} free items of "${pool.name}" were not indexed in Redis (too slow); the next rebuild adds them`);
-        return;
+        this.logger.warn(`${items.length} free items of "${pool.name}" were not indexed in Redis (too slow); indexed later`);
+        return false;
       }
       // Both before the read: the generation fences a read from before a wipe, the clock a stall after it.
       readAt = await this.holds.clock();

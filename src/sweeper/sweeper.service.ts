@@ -4,6 +4,7 @@ import { DomainError, ErrorCode } from '../common/errors.js';
 import { MetricsService } from '../metrics/metrics.service.js';
 import { PoolEntity } from '../database/entities.js';
 import { PoolCatalog } from '../pools/pool-catalog.service.js';
+import { PoolsService } from '../pools/pools.service.js';
 import { HoldStore } from '../redis/hold-store.repository.js';
 import { CommitService } from '../reservations/commit.service.js';
 import { RebuildService } from './rebuild.service.js';
@@ -42,6 +43,7 @@ export class SweeperService implements OnApplicationBootstrap, OnModuleDestroy {
     private readonly rebuilder: RebuildService,
     private readonly committer: CommitService,
     private readonly metrics: MetricsService,
+    private readonly pools: PoolsService,
   ) {}
 
   async onApplicationBootstrap(): Promise<void> {
@@ -100,7 +102,10 @@ export class SweeperService implements OnApplicationBootstrap, OnModuleDestroy {
     this.forgetWarnings();
   }
 
-  /** The stalled commits the sweep found, the pool list and the wiped-Redis check, each failing on its own. */
+  /**
+   * The stalled commits the sweep found, the free items an import or release left out of Redis, the pool
+   * list and the wiped-Redis check, each failing on its own.
+   */
   async upkeep(): Promise<void> {
     this.failed.upkeep = false;
     for (const [key, { pool, rid }] of [...this.stalled]) {
@@ -111,6 +116,12 @@ export class SweeperService implements OnApplicationBootstrap, OnModuleDestroy {
       } catch (err) {
         this.warn('upkeep', `settling the commit of ${rid}`, err);
       }
+    }
+    try {
+      const added = await this.pools.reindexPending();
+      if (added > 0) this.logger.log(`${added} free items indexed in Redis after their import or release could not`);
+    } catch (err) {
+      this.warn('upkeep', 'indexing free items left out of Redis', err);
     }
     try {
       const now = Date.now();

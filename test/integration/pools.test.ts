@@ -1,8 +1,9 @@
 import { afterAll, beforeAll, describe, expect, it, vi } from 'vitest';
 import { PoolRepository } from '../../src/database/pool.repository.js';
+import { DomainError } from '../../src/common/errors.js';
 import { HoldStore } from '../../src/redis/hold-store.repository.js';
 import { poolKeys } from '../../src/redis/keys.js';
-import { TestInstance, TestWorld, numbers, seedPool, sleep, staleReadAt } from '../support/harness.js';
+import { TestInstance, TestWorld, eventually, numbers, seedPool, sleep, staleReadAt } from '../support/harness.js';
 
 describe('pools and resources', () => {
   const world = new TestWorld('pools');
@@ -55,6 +56,59 @@ describe('pools and resources', () => {
       expect(answers[0].body.duplicates + answers[1].body.duplicates).toBe(1000);
     }
     expect((await api.get('/v1/pools/twice')).body.stats).toEqual({ total: 3000, free: 3000, held: 0, allocated: 0 });
+  });
+
+  it('an import or a release committed while Redis failed is indexed by the sweeper soon after, without a rebuild', async () => {
+    // No periodic rebuild on this instance: only the upkeep can index them.
+    const api = await world.start({ RECONCILE_INTERVAL_MS: '0' });
+    const holds = api.app.get(HoldStore);
+    const refuse = () => Promise.reject(DomainError.unavailable('redis', new Error('Command timed out')));
+    expect((await api.post('/v1/pools', { name: 'later', kind: 'number' })).status).toBe(201);
+    // The import commits; its Redis step fails.
+    const importFails = vi.spyOn(holds, 'addFree').mockImplementationOnce(refuse);
+    try {
+      const imported = await api.post('/v1/pools/later/resources', { items: [{ value: '1' }] });
+      expect(imported.status).toBe(201);
+      expect(imported.body.inserted).toBe(1);
+    } finally {
+      importFails.mockRestore();
+    }
+    const { value: r } = await eventually(async () => {
+      const answer = await api.post('/v1/pools/later/reservations', { owner: 'o' });
+      return answer.status === 201 && answer;
+    }, 2000);
+    const id = r.body.items[0].resourceId;
+    expect((await api.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [id] })).status).toBe(200);
+    // The release commits; its Redis step fails.
+    const releaseFails = vi.spyOn(holds, 'addFree').mockImplementationOnce(refuse);
+    try {
+      expect((await api.post(`/v1/pools/later/resources/${id}/release`, { owner: 'o' })).status).toBe(200);
+    } finally {
+      releaseFails.mockRestore();
+    }
+    await eventually(async () => (await api.post('/v1/pools/later/reservations', { owner: 'p' })).status === 201, 2000);
+  });
+
+  it('a retried import or release whose first attempt committed unseen (its answer or its Redis step lost) indexes what it finds free', async () => {
+    expect((await api.post('/v1/pools', { name: 'unseen', kind: 'number' })).status).toBe(201);
+    const [{ id: poolId }] = await world.query(`SELECT id FROM t_pool WHERE name = 'unseen'`);
+    // An import that committed in Postgres and never reached Redis.
+    await world.query(`INSERT INTO t_resource (pool_id, value) VALUES ($1, 'a'), ($1, 'b')`, [poolId]);
+    expect((await api.post('/v1/pools/unseen/reservations', { owner: 'o' })).status).toBe(409);
+    const again = await api.post('/v1/pools/unseen/resources', { items: [{ value: 'a' }, { value: 'b' }, { value: 'c' }] });
+    expect(again.body).toEqual({ inserted: 1, duplicates: 2 });
+    const r = await api.post('/v1/pools/unseen/reservations', { owner: 'o', count: 3 });
+    expect(r.status).toBe(201);
+    const id = r.body.items[0].resourceId;
+    expect((await api.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [id] })).status).toBe(200);
+    // A release that committed in Postgres and never reached Redis: the caller's retry is refused, as API.md says,
+    // and the item is reservable at once.
+    await world.query(`UPDATE t_resource SET state = 1, owner = NULL, version = version + 1 WHERE id = $1`, [id]);
+    const retried = await api.post(`/v1/pools/unseen/resources/${id}/release`, { owner: 'o' });
+    expect(retried.body.error.code).toBe('NOT_ALLOCATED');
+    const next = await api.post('/v1/pools/unseen/reservations', { owner: 'p', count: 3 });
+    expect(next.status).toBe(201);
+    expect(next.body.items.map((i: { resourceId: string }) => i.resourceId)).toContain(id);
   });
 
   it('creates a pool with the documented defaults and refuses a taken name', async () => {
