@@ -14,7 +14,7 @@ import { DomainError, errorBody, ErrorCode, HTTP_STATUS } from './common/errors.
 import { MAX_PARAM_LENGTH, clientErrorResponse, mapFrameworkError } from './common/http-errors.js';
 import { RateLimiter } from './common/rate-limiter.js';
 import { AppConfig } from './config/app-config.js';
-import { runMigrations } from './database/migrate.js';
+import { runMigrations, unreachable } from './database/migrate.js';
 import { MetricsService } from './metrics/metrics.service.js';
 import { REDIS, assertNoEviction } from './redis/redis.client.js';
 
@@ -58,7 +58,8 @@ export async function createApp(config: AppConfig, options: { logger?: boolean }
     // The request id of the request's log lines; echoed in x-request-id.
     genReqId: requestId,
     bodyLimit: config.BODY_LIMIT_BYTES,
-    return503OnClosing: true,
+    // Requests that arrive while the instance shuts down are answered by the hook below, with the API's body.
+    return503OnClosing: false,
     forceCloseConnections: 'idle',
     // Errors raised before any route or hook runs answer with the API's error body too.
     maxParamLength: MAX_PARAM_LENGTH,
@@ -83,7 +84,7 @@ export async function createApp(config: AppConfig, options: { logger?: boolean }
   });
   try {
     const redis = app.get<Redis>(REDIS);
-    await redis.connect();
+    await redis.connect().catch((err: unknown) => Promise.reject(unreachable('Redis', new URL(config.REDIS_URL), err)));
     await assertNoEviction(redis, config.REDIS_TIMEOUT_MS);
   } catch (err) {
     await app.close().catch(() => undefined);
@@ -98,6 +99,19 @@ export async function createApp(config: AppConfig, options: { logger?: boolean }
   fastify.addHook('onRequest', async (req: FastifyRequest, reply: FastifyReply) => {
     req.receivedAtMs = Date.now();
     void reply.header('x-request-id', req.id);
+  });
+  // Shutting down (SIGTERM): what arrives now, on a connection still open, is refused at once with the API's
+  // error body; Fastify adds `Connection: close`, so the client's next request goes to another instance.
+  let closing = false;
+  fastify.addHook('preClose', async () => {
+    closing = true;
+  });
+  fastify.addHook('onRequest', async (req: FastifyRequest, reply: FastifyReply) => {
+    if (!closing) return;
+    const body = errorBody(ErrorCode.DEPENDENCY_UNAVAILABLE, 'this instance is shutting down; nothing was changed (send it again)', {
+      dependency: 'instance',
+    });
+    await reply.status(HTTP_STATUS[ErrorCode.DEPENDENCY_UNAVAILABLE]).send(body);
   });
   // No call of the API takes a query string (API.md): a field in one is refused like any unknown field.
   fastify.addHook('onRequest', async (req: FastifyRequest, reply: FastifyReply) => {

@@ -2,6 +2,7 @@ import 'reflect-metadata';
 import { ConfigError, loadConfig } from './config/app-config.js';
 import { EvictionPolicyError } from './redis/redis.client.js';
 import { createApp } from './app.factory.js';
+import { StartupError } from './database/migrate.js';
 
 async function main(): Promise<void> {
   const config = loadConfig(process.env);
@@ -31,7 +32,7 @@ async function main(): Promise<void> {
 }
 
 main().catch((err: unknown) => {
-  if (err instanceof ConfigError || err instanceof EvictionPolicyError) {
+  if (err instanceof ConfigError || err instanceof EvictionPolicyError || err instanceof StartupError) {
     console.error(`respool cannot start: ${err.message}`);
   } else {
     console.error('respool cannot start:', err);

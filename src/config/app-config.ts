@@ -1,6 +1,29 @@
 import 'reflect-metadata';
 import { plainToInstance, Transform } from 'class-transformer';
-import { IsIn, IsInt, IsOptional, IsString, Matches, Max, Min, validateSync } from 'class-validator';
+import { IsIn, IsInt, IsOptional, IsString, Matches, Max, Min, ValidateBy, validateSync } from 'class-validator';
+
+/** A URL that `new URL` takes (a port above 65535, a bad host or a stray character it refuses). */
+function IsParsableUrl(): PropertyDecorator {
+  return ValidateBy({
+    name: 'isParsableUrl',
+    validator: {
+      validate: (value: unknown) => typeof value === 'string' && URL.canParse(value),
+      defaultMessage: (args) => `${args?.property ?? 'the value'} is not a URL that can be parsed`,
+    },
+  });
+}
+
+/** A setting as a problem report may show it: a URL's password replaced, so it never reaches a log. */
+export function redacted(key: string, value: string | undefined): string {
+  if (value === undefined || !key.endsWith('_URL')) return JSON.stringify(value);
+  // Parsable or not: after the scheme, what lies between the first ":" and the last "@" is the password.
+  const scheme = /^[a-z][a-z0-9+.-]*:\/*/i.exec(value)?.[0] ?? '';
+  const rest = value.slice(scheme.length);
+  const at = rest.lastIndexOf('@');
+  const colon = rest.indexOf(':');
+  if (at < 0 || colon < 0 || colon > at) return JSON.stringify(value);
+  return JSON.stringify(`${scheme}${rest.slice(0, colon + 1)}***${rest.slice(at)}`);
+}
 
 const toInt = ({ value }: { value: unknown }) => (typeof value === 'string' && /^-?\d+$/.test(value.trim()) ? Number(value) : value);
 
@@ -12,10 +35,12 @@ const toInt = ({ value }: { value: unknown }) => (typeof value === 'string' && /
 export class AppConfig {
   @IsString()
   @Matches(/^postgres(ql)?:\/\/.+/, { message: 'DATABASE_URL must be a postgres:// URL' })
+  @IsParsableUrl()
   DATABASE_URL = 'postgres://postgres@127.0.0.1:5432/respool';
 
   @IsString()
   @Matches(/^rediss?:\/\/.+/, { message: 'REDIS_URL must be a redis:// URL' })
+  @IsParsableUrl()
   REDIS_URL = 'redis://127.0.0.1:6379';
 
   @Transform(toInt)
@@ -155,7 +180,9 @@ export function loadConfig(env: Record<string, string | undefined>): AppConfig {
   }
   const config = plainToInstance(AppConfig, given);
   const errors = validateSync(config, { whitelist: true, forbidUnknownValues: true });
-  const problems = errors.map((e) => `${e.property}=${JSON.stringify(env[e.property])}: ${Object.values(e.constraints ?? {}).join('; ')}`);
+  const problems = errors.map(
+    (e) => `${e.property}=${redacted(e.property, env[e.property])}: ${Object.values(e.constraints ?? {}).join('; ')}`,
+  );
   const bad = new Set(errors.map((e) => e.property));
   if (
     !bad.has('IDEMPOTENCY_TTL_MS') &&

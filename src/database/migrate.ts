@@ -5,18 +5,47 @@ import { dataSourceOptions } from './data-source.js';
 
 const MIGRATION_LOCK = 7_361_905_021; // arbitrary, constant pg_advisory_lock key for respool migrations
 
+/** A dependency the service cannot start without could not be reached; the message says which, and where. */
+export class StartupError extends Error {}
+
+/** The StartupError for `dependency` at `url` (its host and port only: never the credentials). */
+export function unreachable(dependency: string, url: URL, cause: unknown, why = ''): StartupError {
+  const reason = cause instanceof Error ? cause.message : String(cause);
+  const where = `${url.hostname}:${url.port || (dependency === 'Redis' ? '6379' : '5432')}`;
+  return new StartupError(`${dependency} at ${where} cannot be reached${why ? ` ${why}` : ''}: ${reason}`);
+}
+
 function quoteIdent(name: string): string {
   return `"${name.replace(/"/g, '""')}"`;
 }
 
-/** Creates the database named in DATABASE_URL when it does not exist yet (connecting to the `postgres` database to do so). */
+/**
+ * Creates the database named in DATABASE_URL when it does not exist yet. Connects to it first: a role
+ * that may not connect to the `postgres` database (a locked-down production role) runs the service as
+ * long as its own database exists; only a missing one is created from `postgres`. A Postgres that cannot
+ * be reached is a StartupError that names it.
+ */
 export async function ensureDatabase(databaseUrl: string, timeoutMs = 5000): Promise<void> {
   const url = new URL(databaseUrl);
   const name = decodeURIComponent(url.pathname.replace(/^\//, '')) || 'postgres';
+  const target = new pg.Client({ connectionString: databaseUrl, connectionTimeoutMillis: timeoutMs });
+  try {
+    await target.connect();
+    await target.end();
+    return;
+  } catch (err) {
+    await target.end().catch(() => undefined);
+    if ((err as { code?: string }).code !== '3D000') throw unreachable('Postgres', url, err);
+  }
   const admin = new URL(databaseUrl);
   admin.pathname = '/postgres';
   const client = new pg.Client({ connectionString: admin.toString(), connectionTimeoutMillis: timeoutMs });
-  await client.connect();
+  try {
+    await client.connect();
+  } catch (err) {
+    await client.end().catch(() => undefined);
+    throw unreachable('Postgres', admin, err, `to create database "${name}"`);
+  }
   try {
     const found = await client.query('SELECT 1 FROM pg_database WHERE datname = $1', [name]);
     if (found.rowCount === 0) {

@@ -3,6 +3,16 @@ import { Counter, Gauge, Histogram, Registry, collectDefaultMetrics } from 'prom
 import { PoolRepository } from '../database/pool.repository.js';
 import { HoldStore } from '../redis/hold-store.repository.js';
 
+/** How old the pool counts of a scrape may be. */
+const POOL_ITEMS_MAX_AGE_MS = 5000;
+
+interface PoolItems {
+  name: string;
+  free: number;
+  held: number;
+  allocated: number;
+}
+
 /** Prometheus metrics of one app instance (its own registry, so several instances may share a process in tests). */
 @Injectable()
 export class MetricsService {
@@ -49,22 +59,67 @@ export class MetricsService {
     private readonly holds: HoldStore,
   ) {
     collectDefaultMetrics({ register: this.registry, prefix: 'respool_' });
-    const { pools: poolRepo, holds: holdStore } = this;
+    const read = () => this.readPoolItems();
     new Gauge({
       name: 'respool_pool_items',
-      help: 'Items per pool by state (free, held, allocated), read at scrape time',
+      help: `Items per pool by state (free, held, allocated), read at scrape time (at most every ${POOL_ITEMS_MAX_AGE_MS / 1000} s)`,
       labelNames: ['pool', 'state'] as const,
       registers: [this.registry],
+      // A failed read keeps the last values (respool_pool_items_stale says so) rather than failing the whole
+      // scrape: the other series matter most while a dependency is down.
       async collect() {
-        this.reset();
-        for (const p of await poolRepo.allCounts()) {
-          const free = Math.min(await holdStore.freeCount(p.name), p.total - p.allocated);
-          this.set({ pool: p.name, state: 'free' }, free);
-          this.set({ pool: p.name, state: 'held' }, p.total - p.allocated - free);
-          this.set({ pool: p.name, state: 'allocated' }, p.allocated);
+        try {
+          const counts = await read();
+          this.reset();
+          for (const p of counts) {
+            this.set({ pool: p.name, state: 'free' }, p.free);
+            this.set({ pool: p.name, state: 'held' }, p.held);
+            this.set({ pool: p.name, state: 'allocated' }, p.allocated);
+          }
+        } catch {
+          // The last values stay; respool_pool_items_stale says so.
         }
       },
     });
+    new Gauge({
+      name: 'respool_pool_items_stale',
+      help: '1 when this scrape could not read the pool counts (Postgres or Redis down): respool_pool_items are older',
+      registers: [this.registry],
+      // The same read as respool_pool_items (shared, see readPoolItems): whether it failed.
+      async collect() {
+        this.set(
+          await read().then(
+            () => 0,
+            () => 1,
+          ),
+        );
+      },
+    });
+  }
+
+  private poolItems: { at: number; counts: Promise<PoolItems[]> } | undefined;
+
+  /**
+   * The pool counts, read at most every POOL_ITEMS_MAX_AGE_MS and once for scrapes that come together:
+   * counting a pool of millions of rows takes a second, and a scrape is not worth more.
+   */
+  private readPoolItems(): Promise<PoolItems[]> {
+    const now = Date.now();
+    if (this.poolItems && now - this.poolItems.at < POOL_ITEMS_MAX_AGE_MS) return this.poolItems.counts;
+    const counts = (async () => {
+      const items: PoolItems[] = [];
+      for (const p of await this.pools.allCounts()) {
+        const free = Math.min(await this.holds.freeCount(p.name), p.total - p.allocated);
+        items.push({ name: p.name, free, held: p.total - p.allocated - free, allocated: p.allocated });
+      }
+      return items;
+    })();
+    this.poolItems = { at: now, counts };
+    // A failure is not kept: the next scrape reads again.
+    counts.catch(() => {
+      if (this.poolItems?.counts === counts) this.poolItems = undefined;
+    });
+    return counts;
   }
 
   async render(): Promise<{ contentType: string; body: string }> {

@@ -1,6 +1,9 @@
 import { connect } from 'node:net';
-import { afterAll, beforeAll, describe, expect, it } from 'vitest';
-import { TestInstance, TestWorld, numbers, seedPool } from '../support/harness.js';
+import { afterAll, beforeAll, describe, expect, it, vi } from 'vitest';
+import { DomainError } from '../../src/common/errors.js';
+import { PoolRepository } from '../../src/database/pool.repository.js';
+import { HoldStore } from '../../src/redis/hold-store.repository.js';
+import { TestInstance, TestWorld, eventually, numbers, seedPool, sleep } from '../support/harness.js';
 
 describe('operations: health, metrics, OpenAPI, request ids', () => {
   const world = new TestWorld('operations');
@@ -37,6 +40,27 @@ describe('operations: health, metrics, OpenAPI, request ids', () => {
     expect(text).toContain('respool_pool_items{pool="metered",state="held"} 0');
     expect(text).toContain('# TYPE respool_confirm_conflicts_total counter');
     expect(text).toContain('# TYPE respool_expired_holds_total counter');
+    expect(text).toContain('respool_pool_items_stale 0');
+  });
+
+  it('keeps serving metrics while the pool counts cannot be read, with the last counts marked stale', async () => {
+    const own = await world.start();
+    await seedPool(own, 'counted', numbers(2));
+    expect((await own.get('/metrics')).body).toContain('respool_pool_items{pool="counted",state="free"} 2');
+    await sleep(5100); // past the counts' reuse
+    const down = vi.spyOn(own.app.get(PoolRepository), 'allCounts').mockRejectedValue(DomainError.unavailable('postgres'));
+    try {
+      const metrics = await own.get('/metrics');
+      expect(metrics.status).toBe(200);
+      expect(metrics.body).toContain('respool_pool_items_stale 1');
+      expect(metrics.body).toContain('respool_pool_items{pool="counted",state="free"} 2');
+      expect(metrics.body).toContain('respool_http_request_duration_seconds_count');
+    } finally {
+      down.mockRestore();
+    }
+    // Read again at the next scrape (a failure is not reused).
+    expect((await own.get('/metrics')).body).toContain('respool_pool_items_stale 0');
+    await own.close();
   });
 
   it('serves the OpenAPI document, generated from the code, with every field described', async () => {
@@ -191,5 +215,42 @@ describe('operations: health, metrics, OpenAPI, request ids', () => {
     // Not the API's: the OpenAPI document and the operations endpoints are served as before.
     expect((await api.get('/docs-json?x=1')).status).toBe(200);
     expect((await api.get('/health/live?x=1')).status).toBe(200);
+  });
+
+  it('while an instance shuts down, a request that still reaches it is refused with the API error body and Connection: close', async () => {
+    const leaving = await world.start();
+    // A readiness check that takes a while keeps its connection busy, so the shutdown does not close it.
+    vi.spyOn(leaving.app.get(HoldStore), 'ping').mockImplementation(async () => {
+      await sleep(800);
+    });
+    const server = leaving.app.getHttpServer();
+    const url = new URL(leaving.url);
+    let received = '';
+    const socket = connect(Number(url.port), url.hostname);
+    socket.on('data', (chunk) => (received += chunk.toString()));
+    const ended = new Promise((resolve) => socket.on('close', resolve));
+    socket.write('GET /health/ready HTTP/1.1\r\nHost: x\r\n\r\n');
+    await sleep(100);
+    const closed = leaving.app.close();
+    await eventually(async () => !server.listening, 5000);
+    // Sent on the busy connection once the instance no longer listens.
+    socket.write('GET /health/live HTTP/1.1\r\nHost: x\r\n\r\n');
+    await ended;
+    await closed;
+    const answers = received.split(/(?=HTTP\/1\.1 )/);
+    expect(answers).toHaveLength(2);
+    // The readiness check in flight says the instance is leaving (a load balancer stops sending it work)...
+    expect(answers[0]).toMatch(/^HTTP\/1\.1 503 /);
+    expect(JSON.parse(answers[0].slice(answers[0].indexOf('\r\n\r\n') + 4)).error.details.report.status).toBe('shutting_down');
+    // ...and what arrives after it is refused at once.
+    expect(answers[1]).toMatch(/^HTTP\/1\.1 503 /);
+    expect(answers[1].toLowerCase()).toContain('connection: close');
+    expect(JSON.parse(answers[1].slice(answers[1].indexOf('\r\n\r\n') + 4))).toEqual({
+      error: {
+        code: 'DEPENDENCY_UNAVAILABLE',
+        message: 'this instance is shutting down; nothing was changed (send it again)',
+        details: { dependency: 'instance' },
+      },
+    });
   });
 });

@@ -1,7 +1,8 @@
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { createApp } from '../../src/app.factory.js';
 import { TestInstance, TestWorld, eventually, numbers, seedPool, sleep, stalledConfirm, reserveWhenFree } from '../support/harness.js';
-import { OwnRedis, TcpProxy } from '../support/services.js';
+import { OwnRedis, TcpProxy, freePort } from '../support/services.js';
+import { StartupError } from '../../src/database/migrate.js';
 import { GenerationRepository } from '../../src/database/generation.repository.js';
 import { HoldStore } from '../../src/redis/hold-store.repository.js';
 import { poolKeys } from '../../src/redis/keys.js';
@@ -271,6 +272,25 @@ describe('recovery: Redis wiped or down, Postgres down, an instance gone', () =>
     }, 4000);
     expect(Date.now() - Date.parse(r.body.expiresAt)).toBeLessThan(2000);
     expect(value.body.items).toHaveLength(2);
+  });
+
+  it('refuses to start when Postgres or Redis cannot be reached, saying which and where (never the password)', async () => {
+    const closed = await freePort();
+    const noPostgres = createApp(
+      world.config({ DATABASE_URL: `postgres://postgres:S3cret@127.0.0.1:${closed}/x`, DB_TIMEOUT_MS: '1000' }),
+      {
+        logger: false,
+      },
+    );
+    await expect(noPostgres).rejects.toBeInstanceOf(StartupError);
+    await expect(noPostgres).rejects.toThrow(new RegExp(`^Postgres at 127\\.0\\.0\\.1:${closed} cannot be reached: `));
+    await expect(noPostgres).rejects.not.toThrow(/S3cret/);
+    const noRedis = createApp(world.config({ REDIS_URL: `redis://:S3cret@127.0.0.1:${closed}`, REDIS_TIMEOUT_MS: '500' }), {
+      logger: false,
+    });
+    await expect(noRedis).rejects.toBeInstanceOf(StartupError);
+    await expect(noRedis).rejects.toThrow(new RegExp(`^Redis at 127\\.0\\.0\\.1:${closed} cannot be reached: `));
+    await expect(noRedis).rejects.not.toThrow(/S3cret/);
   });
 
   it('refuses to start when Redis may evict keys', async () => {

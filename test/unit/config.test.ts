@@ -36,4 +36,24 @@ describe('loadConfig', () => {
     );
     expect(loadConfig({ IDEMPOTENCY_TTL_MS: '3600000', RESERVATION_RETENTION_MS: '3600000' }).IDEMPOTENCY_TTL_MS).toBe(3_600_000);
   });
+
+  it('refuses a URL that cannot be parsed with the other bad variables, and never shows a password', () => {
+    let error: unknown;
+    try {
+      loadConfig({
+        DATABASE_URL: 'postgres://app:S3cretPW@db:99999/x',
+        REDIS_URL: 'redis:/:RedisPW@h',
+        PORT: 'eighty',
+      });
+    } catch (err) {
+      error = err;
+    }
+    expect(error).toBeInstanceOf(ConfigError);
+    const { problems, message } = error as ConfigError;
+    expect(problems.map((p) => p.split('=')[0]).sort()).toEqual(['DATABASE_URL', 'PORT', 'REDIS_URL']);
+    expect(message).toContain('DATABASE_URL="postgres://app:***@db:99999/x"');
+    expect(message).toContain('REDIS_URL="redis:/:***@h"');
+    expect(message).not.toMatch(/S3cretPW|RedisPW/);
+    expect(loadConfig({ DATABASE_URL: 'postgres://app:pw@db:5432/x' }).DATABASE_URL).toBe('postgres://app:pw@db:5432/x');
+  });
 });
