@@ -62,7 +62,7 @@ export async function createApp(config: AppConfig, options: { logger?: boolean }
     return503OnClosing: false,
     forceCloseConnections: 'idle',
     // Errors raised before any route or hook runs answer with the API's error body too.
-    maxParamLength: MAX_PARAM_LENGTH,
+    routerOptions: { maxParamLength: MAX_PARAM_LENGTH },
     frameworkErrors: (err: FastifyError, req: FastifyRequest, reply: FastifyReply) => {
       const mapped = mapFrameworkError(err);
       void reply.status(mapped.status).header('x-request-id', req.id).send(mapped.body);

@@ -1,4 +1,5 @@
 import 'reflect-metadata';
+import { Logger } from '@nestjs/common';
 import { ConfigError, loadConfig } from './config/app-config.js';
 import { EvictionPolicyError } from './redis/redis.client.js';
 import { createApp } from './app.factory.js';
@@ -28,7 +29,8 @@ async function main(): Promise<void> {
       );
     });
   }
-  console.log(JSON.stringify({ level: 30, msg: `respool listening on http://${config.HOST}:${config.PORT} (docs at /docs)` }));
+  // Through the app's logger: a JSON line with its time, pid and host, like every other.
+  new Logger('respool').log(`listening on http://${config.HOST}:${config.PORT} (docs at /docs)`);
 }
 
 main().catch((err: unknown) => {
