@@ -31,8 +31,12 @@ describe('late Redis writes never set an item back', () => {
     expect((await api.post(`/v1/pools/${pool}/resources/${id}/release`, { owner })).status).toBe(200);
   };
 
-  it("an abort's re-cache of an item from a stale read does not replace a newer cache entry", async () => {
-    const pool = 'late-abort';
+  /**
+   * Two items x and y held by r1, which expired; x went round once (version 2); a late confirm of r1 on y pinned
+   * it, and the sweeper settling that epoch has Postgres' abort and has read x (at version 2) after Redis' clock
+   * said `readAt`. Its abort script has not reached Redis yet (the instance paused): `abort()` sends it.
+   */
+  async function abortAboutToLand(pool: string) {
     await seedPool(api, pool, numbers(2));
     const holds = api.app.get(HoldStore);
     const resources = api.app.get(ResourceRepository);
@@ -42,15 +46,21 @@ describe('late Redis writes never set an item back', () => {
     await sleep(1700);
     await holds.sweep(pool, 100, 15_000, 2000); // r1 expired: x and y are free
     await roundTrip(pool, x.value, 'r2'); // x: version 2
-    // A late confirm of r1 on y pins it; the sweeper settles that epoch: Postgres says abort, and x is at 2...
     const { pinned } = await stalledConfirm(api, pool, r1.body.id, y.resourceId, 200);
-    expect(await resources.decideAbort(r1.body.id, pinned.reservation.epoch)).toBe('abort');
+    const epoch = pinned.reservation.epoch;
+    expect(await resources.decideAbort(r1.body.id, epoch)).toBe('abort');
     const readAt = await holds.clock();
     const xRow = (await resources.findMany(poolId, [x.resourceId]))[0];
     expect(xRow.version).toBe(2);
-    // ...then that instance pauses (well within the read's age limit), and x goes round again: version 4.
-    await roundTrip(pool, x.value, 'r3');
-    await holds.abort(pool, r1.body.id, pinned.reservation.epoch, readAt, [], [{ id: x.resourceId, v: x.value, n: xRow.version }]);
+    const abort = () => holds.abort(pool, r1.body.id, epoch, readAt, [], [{ id: x.resourceId, v: x.value, n: xRow.version }]);
+    return { x, abort };
+  }
+
+  it("an abort's re-cache of an item from a stale read does not replace a newer cache entry", async () => {
+    const pool = 'late-abort';
+    const { x, abort } = await abortAboutToLand(pool);
+    await roundTrip(pool, x.value, 'r3'); // meanwhile x goes round again: version 4
+    await abort();
     // The next buyer holds x at the version Postgres has, and its confirm lands.
     const r4 = await api.post(`/v1/pools/${pool}/reservations`, { owner: 'r4', count: 1, filter: { valuePrefix: x.value } });
     expect(r4.body.items[0]).toMatchObject({ resourceId: x.resourceId, version: 4 });
@@ -59,24 +69,12 @@ describe('late Redis writes never set an item back', () => {
 
   it('an abort does not cache again, nor free, an item allocated after Postgres was read', async () => {
     const pool = 'late-abort-allocated';
-    await seedPool(api, pool, numbers(2));
-    const holds = api.app.get(HoldStore);
-    const resources = api.app.get(ResourceRepository);
-    const poolId = (await api.app.get(PoolRepository).findByName(pool))!.id;
-    const r1 = await api.post(`/v1/pools/${pool}/reservations`, { owner: 'r1', count: 2, ttlMs: 1000 });
-    const [x, y] = r1.body.items as { resourceId: string; value: string }[];
-    await sleep(1700);
-    await holds.sweep(pool, 100, 15_000, 2000);
-    await roundTrip(pool, x.value, 'r2'); // x: version 2
-    const { pinned } = await stalledConfirm(api, pool, r1.body.id, y.resourceId, 200);
-    expect(await resources.decideAbort(r1.body.id, pinned.reservation.epoch)).toBe('abort');
-    const readAt = await holds.clock();
-    const xRow = (await resources.findMany(poolId, [x.resourceId]))[0];
-    // x is allocated after the read: version 3, and its tombstone.
+    const { x, abort } = await abortAboutToLand(pool);
+    // Meanwhile x is allocated: version 3, and its tombstone.
     const r3 = await api.post(`/v1/pools/${pool}/reservations`, { owner: 'r3', count: 1, filter: { valuePrefix: x.value } });
     expect((await api.post(`/v1/reservations/${r3.body.id}/confirm`, { resourceIds: [x.resourceId] })).status).toBe(200);
-    await holds.abort(pool, r1.body.id, pinned.reservation.epoch, readAt, [], [{ id: x.resourceId, v: x.value, n: xRow.version }]);
-    expect(await holds.holder(pool, x.resourceId)).toBe('A:3');
+    await abort();
+    expect(await api.app.get(HoldStore).holder(pool, x.resourceId)).toBe('A:3');
     const client = new Redis(api.config.REDIS_URL);
     try {
       expect(await client.hget(poolKeys(world.prefix, pool).itemBucket(x.resourceId), x.resourceId)).toBeNull();
