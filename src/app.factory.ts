@@ -11,10 +11,11 @@ import { createValidationPipe } from './common/validation.js';
 import { addValidationLimits } from './common/openapi-limits.js';
 import { createPino, PinoLoggerService } from './common/logger.js';
 import { DomainError, errorBody, ErrorCode, HTTP_STATUS } from './common/errors.js';
-import { MAX_PARAM_LENGTH, clientErrorResponse, mapFrameworkError } from './common/http-errors.js';
+import { MAX_PARAM_LENGTH, clientErrorResponse, mapError } from './common/http-errors.js';
 import { RateLimiter } from './common/rate-limiter.js';
 import { AppConfig } from './config/app-config.js';
-import { runMigrations, unreachable } from './database/migrate.js';
+import { runMigrations } from './database/migrate.js';
+import { unreachable } from './common/dependency-errors.js';
 import { MetricsService } from './metrics/metrics.service.js';
 import { REDIS, assertNoEviction } from './redis/redis.client.js';
 
@@ -64,7 +65,7 @@ export async function createApp(config: AppConfig, options: { logger?: boolean }
     // Errors raised before any route or hook runs answer with the API's error body too.
     routerOptions: { maxParamLength: MAX_PARAM_LENGTH },
     frameworkErrors: (err: FastifyError, req: FastifyRequest, reply: FastifyReply) => {
-      const mapped = mapFrameworkError(err);
+      const mapped = mapError(err);
       void reply.status(mapped.status).header('x-request-id', req.id).send(mapped.body);
     },
     clientErrorHandler: (err: NodeJS.ErrnoException, socket) => {
@@ -84,7 +85,7 @@ export async function createApp(config: AppConfig, options: { logger?: boolean }
   });
   try {
     const redis = app.get<Redis>(REDIS);
-    await redis.connect().catch((err: unknown) => Promise.reject(unreachable('Redis', new URL(config.REDIS_URL), err)));
+    await redis.connect().catch((err: unknown) => Promise.reject(unreachable('Redis', new URL(config.REDIS_URL), 6379, err)));
     await assertNoEviction(redis, config.REDIS_TIMEOUT_MS);
   } catch (err) {
     await app.close().catch(() => undefined);
@@ -106,19 +107,20 @@ export async function createApp(config: AppConfig, options: { logger?: boolean }
   fastify.addHook('onRequest', async (req: FastifyRequest, reply: FastifyReply) => {
     req.receivedAtMs = Date.now();
     void reply.header('x-request-id', req.id);
+    let refused: DomainError | undefined;
     if (closing) {
-      const body = errorBody(ErrorCode.DEPENDENCY_UNAVAILABLE, 'this instance is shutting down; nothing was changed (send it again)', {
+      refused = new DomainError(ErrorCode.DEPENDENCY_UNAVAILABLE, 'this instance is shutting down; nothing was changed (send it again)', {
         dependency: 'instance',
       });
-      await reply.status(HTTP_STATUS[ErrorCode.DEPENDENCY_UNAVAILABLE]).send(body);
-      return;
-    }
-    // No call of the API takes a query string (API.md): a field in one is refused like any unknown field.
-    if (req.url.includes('?') && req.url.startsWith('/v1/')) {
+    } else if (req.url.includes('?') && req.url.startsWith('/v1/')) {
+      // No call of the API takes a query string (API.md): a field in one is refused like any unknown field.
       const fields = Object.keys(req.query as object);
-      if (fields.length === 0) return;
-      const refused = DomainError.validation(fields.map((field) => ({ field, reason: `query parameter ${field} is not accepted` })));
-      await reply.status(refused.status).send(errorBody(refused.code, refused.message, refused.details));
+      if (fields.length > 0)
+        refused = DomainError.validation(fields.map((field) => ({ field, reason: `query parameter ${field} is not accepted` })));
+    }
+    if (refused) {
+      const mapped = mapError(refused);
+      await reply.status(mapped.status).send(mapped.body);
     }
   });
   const logRequests = config.LOG_REQUESTS === 'true' && options.logger !== false;

@@ -3,7 +3,7 @@ import { Logger } from '@nestjs/common';
 import { ConfigError, loadConfig } from './config/app-config.js';
 import { EvictionPolicyError } from './redis/redis.client.js';
 import { createApp } from './app.factory.js';
-import { StartupError } from './database/migrate.js';
+import { StartupError } from './common/dependency-errors.js';
 
 async function main(): Promise<void> {
   const config = loadConfig(process.env);

@@ -29,3 +29,14 @@ export function isRedisOutage(err: unknown): boolean {
   if (e?.name === 'ReplyError') return REDIS_TRANSIENT_REPLY.test(String(e.message ?? ''));
   return true;
 }
+
+/** A dependency the service cannot start without could not be reached; the message says which, and where. */
+export class StartupError extends Error {}
+
+/** The StartupError for `dependency` at `url` (its host and port only, never the credentials). */
+export function unreachable(dependency: string, url: URL, defaultPort: number, cause: unknown, why = ''): StartupError {
+  const reason = cause instanceof Error ? cause.message : String(cause);
+  return new StartupError(
+    `${dependency} at ${url.hostname}:${url.port || defaultPort} cannot be reached${why ? ` ${why}` : ''}: ${reason}`,
+  );
+}

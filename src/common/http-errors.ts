@@ -8,33 +8,32 @@ export interface MappedError {
   internal: boolean;
 }
 
-const FASTIFY_CODES: Record<string, ErrorCode> = {
-  FST_ERR_CTP_BODY_TOO_LARGE: ErrorCode.PAYLOAD_TOO_LARGE,
-  FST_ERR_CTP_INVALID_MEDIA_TYPE: ErrorCode.VALIDATION_FAILED,
-  FST_ERR_CTP_INVALID_CONTENT_LENGTH: ErrorCode.VALIDATION_FAILED,
-  FST_ERR_CTP_EMPTY_JSON_BODY: ErrorCode.VALIDATION_FAILED,
-  FST_ERR_CTP_INVALID_JSON_BODY: ErrorCode.VALIDATION_FAILED,
-};
-
-/** Longest path parameter Fastify's router takes; a longer one is answered by frameworkError. */
+/** Longest path parameter Fastify's router takes; a longer one is answered through FASTIFY_CODES. */
 export const MAX_PARAM_LENGTH = 500;
 
 /**
- * The answer to an error Fastify's router raises before any route or hook runs (its `frameworkErrors`
- * option): a path that is not valid percent-encoding, or a path parameter over MAX_PARAM_LENGTH. Without
- * this, Fastify answers those with a body of its own (and a 414), not the API's.
+ * Fastify's own errors, by code: the API's code, the field a VALIDATION_FAILED names, and the reason when
+ * Fastify's message is not the one to show. The router's (a path that is not valid percent-encoding, a
+ * path parameter over MAX_PARAM_LENGTH) reach mapError through Fastify's `frameworkErrors` option,
+ * before any route or hook runs; without it, Fastify answers them with a body of its own (and a 414).
  */
-export function mapFrameworkError(err: unknown): MappedError {
-  const code = (err as { code?: unknown } | null)?.code;
-  const reason =
-    code === 'FST_ERR_BAD_URL'
-      ? 'the path is not a valid URL: a % must start a percent-encoded UTF-8 character'
-      : code === 'FST_ERR_MAX_PARAM_LENGTH'
-        ? `a path parameter is longer than ${MAX_PARAM_LENGTH} characters`
-        : null;
-  if (reason === null) return mapError(err);
-  return { status: 400, body: errorBody(ErrorCode.VALIDATION_FAILED, reason, { fields: [{ field: 'path', reason }] }), internal: false };
-}
+const FASTIFY_CODES: Record<string, { code: ErrorCode; field: string; reason?: string }> = {
+  FST_ERR_CTP_BODY_TOO_LARGE: { code: ErrorCode.PAYLOAD_TOO_LARGE, field: 'body', reason: 'request body is too large' },
+  FST_ERR_CTP_INVALID_MEDIA_TYPE: { code: ErrorCode.VALIDATION_FAILED, field: 'body' },
+  FST_ERR_CTP_INVALID_CONTENT_LENGTH: { code: ErrorCode.VALIDATION_FAILED, field: 'body' },
+  FST_ERR_CTP_EMPTY_JSON_BODY: { code: ErrorCode.VALIDATION_FAILED, field: 'body' },
+  FST_ERR_CTP_INVALID_JSON_BODY: { code: ErrorCode.VALIDATION_FAILED, field: 'body' },
+  FST_ERR_BAD_URL: {
+    code: ErrorCode.VALIDATION_FAILED,
+    field: 'path',
+    reason: 'the path is not a valid URL: a % must start a percent-encoded UTF-8 character',
+  },
+  FST_ERR_MAX_PARAM_LENGTH: {
+    code: ErrorCode.VALIDATION_FAILED,
+    field: 'path',
+    reason: `a path parameter is longer than ${MAX_PARAM_LENGTH} characters`,
+  },
+};
 
 /**
  * The raw HTTP answer to a request Node's HTTP parser refused (Fastify's `clientErrorHandler`: an unknown
@@ -65,11 +64,11 @@ export function mapError(err: unknown): MappedError {
     return { status: err.status, body: errorBody(err.code, err.message, err.details), internal: false };
   }
   const e = err as { code?: unknown; statusCode?: unknown; status?: unknown; message?: unknown; getStatus?: () => number } | null;
-  const fastifyCode = typeof e?.code === 'string' ? FASTIFY_CODES[e.code] : undefined;
-  if (fastifyCode) {
-    const message = fastifyCode === ErrorCode.PAYLOAD_TOO_LARGE ? 'request body is too large' : String(e?.message ?? 'bad request');
-    const details = fastifyCode === ErrorCode.VALIDATION_FAILED ? { fields: [{ field: 'body', reason: message }] } : {};
-    return { status: HTTP_STATUS[fastifyCode], body: errorBody(fastifyCode, message, details), internal: false };
+  const fastify = typeof e?.code === 'string' ? FASTIFY_CODES[e.code] : undefined;
+  if (fastify) {
+    const message = fastify.reason ?? String(e?.message ?? 'bad request');
+    const details = fastify.code === ErrorCode.VALIDATION_FAILED ? { fields: [{ field: fastify.field, reason: message }] } : {};
+    return { status: HTTP_STATUS[fastify.code], body: errorBody(fastify.code, message, details), internal: false };
   }
   // Errors Nest or Fastify raise themselves (HttpException, JSON parse errors): keep their 4xx.
   const status = typeof e?.getStatus === 'function' ? e.getStatus() : Number(e?.statusCode ?? e?.status ?? 0);

@@ -2,18 +2,9 @@ import pg from 'pg';
 import { DataSource, DataSourceOptions } from 'typeorm';
 import { AppConfig, loadConfig } from '../config/app-config.js';
 import { dataSourceOptions } from './data-source.js';
+import { unreachable } from '../common/dependency-errors.js';
 
 const MIGRATION_LOCK = 7_361_905_021; // arbitrary, constant pg_advisory_lock key for respool migrations
-
-/** A dependency the service cannot start without could not be reached; the message says which, and where. */
-export class StartupError extends Error {}
-
-/** The StartupError for `dependency` at `url` (its host and port only: never the credentials). */
-export function unreachable(dependency: string, url: URL, cause: unknown, why = ''): StartupError {
-  const reason = cause instanceof Error ? cause.message : String(cause);
-  const where = `${url.hostname}:${url.port || (dependency === 'Redis' ? '6379' : '5432')}`;
-  return new StartupError(`${dependency} at ${where} cannot be reached${why ? ` ${why}` : ''}: ${reason}`);
-}
 
 function quoteIdent(name: string): string {
   return `"${name.replace(/"/g, '""')}"`;
@@ -35,7 +26,7 @@ export async function ensureDatabase(databaseUrl: string, timeoutMs = 5000): Pro
     return;
   } catch (err) {
     await target.end().catch(() => undefined);
-    if ((err as { code?: string }).code !== '3D000') throw unreachable('Postgres', url, err);
+    if ((err as { code?: string }).code !== '3D000') throw unreachable('Postgres', url, 5432, err);
   }
   const admin = new URL(databaseUrl);
   admin.pathname = '/postgres';
@@ -44,7 +35,7 @@ export async function ensureDatabase(databaseUrl: string, timeoutMs = 5000): Pro
     await client.connect();
   } catch (err) {
     await client.end().catch(() => undefined);
-    throw unreachable('Postgres', admin, err, `to create database "${name}"`);
+    throw unreachable('Postgres', admin, 5432, err, `to create database "${name}"`);
   }
   try {
     const found = await client.query('SELECT 1 FROM pg_database WHERE datname = $1', [name]);

@@ -40,7 +40,6 @@ export class PoolsService {
   private readonly logger = new Logger(PoolsService.name);
   /** Free items committed by this instance whose Redis step failed, by pool name (see reindexPending). */
   private readonly unindexed = new Map<string, Set<string>>();
-  private unindexedCount = 0;
 
   constructor(
     private readonly pools: PoolRepository,
@@ -177,15 +176,16 @@ export class PoolsService {
 
   private rememberUnindexed(pool: string, ids: string[]): void {
     const pending = this.unindexed.get(pool) ?? new Set<string>();
+    this.unindexed.set(pool, pending);
+    let room = MAX_UNINDEXED - [...this.unindexed.values()].reduce((n, set) => n + set.size, 0);
     for (const id of ids) {
-      if (this.unindexedCount >= MAX_UNINDEXED) {
+      if (pending.has(id)) continue;
+      if (room-- <= 0) {
         this.logger.warn(`more than ${MAX_UNINDEXED} free items wait to be indexed in Redis; the next rebuild adds the rest`);
         break;
       }
-      if (!pending.has(id)) this.unindexedCount++;
       pending.add(id);
     }
-    this.unindexed.set(pool, pending);
   }
 
   /**
@@ -204,7 +204,6 @@ export class PoolsService {
       const page = await this.holds.addFree(pool.name, generation, readAt, free);
       if (page === null) continue; // this instance stalled after the read: read again next time
       for (const id of ids) pending.delete(id);
-      this.unindexedCount -= ids.length;
       if (pending.size === 0) this.unindexed.delete(name);
       added += page;
     }

@@ -179,8 +179,26 @@ export class HoldStore implements OnApplicationShutdown {
   }
 
   async reserve(pool: string, req: ReserveRequest): Promise<ReserveResult> {
+    let reply: string[];
     try {
-      return await this.reserveOnce(pool, req);
+      reply = await this.run<string[]>(
+        'reserve',
+        pool,
+        req.reservationId,
+        req.owner,
+        req.count,
+        req.ttlMs,
+        req.maxHoldsPerOwner,
+        req.kind,
+        this.retentionMs,
+        req.idempotencyKey ?? '',
+        req.bodyHash ?? '',
+        this.config.IDEMPOTENCY_TTL_MS,
+        req.attributes && Object.keys(req.attributes).length > 0 ? JSON.stringify(req.attributes) : '',
+        req.valuePrefix ?? '',
+        req.groupAffinity ? '1' : '0',
+        this.config.HOLD_GRACE_MS,
+      );
     } catch (err) {
       // A reserve that got no answer in time may still run in Redis, and the caller is answered 503
       // (nothing changed). Without an Idempotency-Key nobody can ever reach what it would hold (its id
@@ -190,27 +208,6 @@ export class HoldStore implements OnApplicationShutdown {
       if (req.idempotencyKey === undefined && timedOut(err)) await this.release(pool, req.reservationId).catch(() => undefined);
       throw err;
     }
-  }
-
-  private async reserveOnce(pool: string, req: ReserveRequest): Promise<ReserveResult> {
-    const reply = await this.run<string[]>(
-      'reserve',
-      pool,
-      req.reservationId,
-      req.owner,
-      req.count,
-      req.ttlMs,
-      req.maxHoldsPerOwner,
-      req.kind,
-      this.retentionMs,
-      req.idempotencyKey ?? '',
-      req.bodyHash ?? '',
-      this.config.IDEMPOTENCY_TTL_MS,
-      req.attributes && Object.keys(req.attributes).length > 0 ? JSON.stringify(req.attributes) : '',
-      req.valuePrefix ?? '',
-      req.groupAffinity ? '1' : '0',
-      this.config.HOLD_GRACE_MS,
-    );
     switch (reply[0]) {
       case 'ok':
       case 'replay':

@@ -2,7 +2,7 @@ import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { createApp } from '../../src/app.factory.js';
 import { TestInstance, TestWorld, eventually, numbers, seedPool, sleep, stalledConfirm, reserveWhenFree } from '../support/harness.js';
 import { OwnRedis, TcpProxy, freePort } from '../support/services.js';
-import { StartupError } from '../../src/database/migrate.js';
+import { StartupError } from '../../src/common/dependency-errors.js';
 import { GenerationRepository } from '../../src/database/generation.repository.js';
 import { HoldStore } from '../../src/redis/hold-store.repository.js';
 import { poolKeys } from '../../src/redis/keys.js';
