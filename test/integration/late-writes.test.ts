@@ -4,7 +4,7 @@ import { GenerationRepository } from '../../src/database/generation.repository.j
 import { PoolRepository } from '../../src/database/pool.repository.js';
 import { ResourceRepository } from '../../src/database/resource.repository.js';
 import { HoldStore } from '../../src/redis/hold-store.repository.js';
-import { poolKeys } from '../../src/redis/keys.js';
+import { freeMember, poolKeys } from '../../src/redis/keys.js';
 import { TestInstance, TestWorld, numbers, seedPool, sleep, stalledConfirm } from '../support/harness.js';
 
 /**
@@ -105,5 +105,27 @@ describe('late Redis writes never set an item back', () => {
     // The rebuild's page reaches Redis: x must not be handed out, it is allocated.
     expect(await holds.addFree(pool, generation, readAt, [{ id: x.resourceId, v: x.value, n: 2 }])).toBe(0);
     expect((await api.post(`/v1/pools/${pool}/reservations`, { owner: 'r3', count: 1 })).status).toBe(409);
+  });
+
+  it('a finish for a reservation Redis no longer has takes the allocated item out of the free index', async () => {
+    const pool = 'late-finish-gone';
+    await seedPool(api, pool, numbers(1));
+    const holds = api.app.get(HoldStore);
+    const r1 = await api.post(`/v1/pools/${pool}/reservations`, { owner: 'r1', count: 1 });
+    const x = r1.body.items[0] as { resourceId: string; value: string; version: number };
+    // Redis lost r1 (a wipe, then a rebuild that read x free before r1's commit landed in Postgres): x is in the
+    // free index again and r1's record is gone. The sweeper then finishes r1's commit from its commit row.
+    const keys = poolKeys(world.prefix, pool);
+    const client = new Redis(api.config.REDIS_URL);
+    try {
+      await client.del(keys.reservation(r1.body.id), keys.hold(x.resourceId));
+      await client.zadd(keys.free, 0, freeMember(x.value, x.resourceId));
+      await holds.finish(pool, r1.body.id, [{ resourceId: x.resourceId, value: x.value, version: x.version + 1 }], '{}');
+      expect(await client.zscore(keys.free, freeMember(x.value, x.resourceId))).toBeNull();
+    } finally {
+      client.disconnect();
+    }
+    expect(await holds.holder(pool, x.resourceId)).toBe(`A:${x.version + 1}`);
+    expect((await api.post(`/v1/pools/${pool}/reservations`, { owner: 'r2', count: 1 })).status).toBe(409);
   });
 });

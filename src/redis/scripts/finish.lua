@@ -7,6 +7,11 @@
 -- Returns: number of items returned to the free index
 local base, rid, selection, outcome = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local tombstone_ms, retention = tonumber(ARGV[5]), tonumber(ARGV[6])
+local rkey = base .. 'r:' .. rid
+local r = read_reservation(rkey)
+local items = r and decode_items(r.i) or {}
+local listed = {}
+for _, item in ipairs(items) do listed[item.id] = true end
 local chosen, free_again = {}, {}
 for i = 7, #ARGV, 2 do
   local m, version = ARGV[i], tonumber(ARGV[i + 1])
@@ -28,15 +33,13 @@ for i = 7, #ARGV, 2 do
       redis.call('SET', hkey, tombstone(version), 'PX', tombstone_ms)
     end
     item_del(base, id)
-    redis.call('ZREM', base .. 'free', m)
+    -- An item of the reservation leaves every free index below (unindex); one it does not list, here.
+    if not listed[id] then redis.call('ZREM', base .. 'free', m) end
   end
 end
 
-local rkey = base .. 'r:' .. rid
 local freed = 0
-local r = read_reservation(rkey)
 if r then
-  local items = decode_items(r.i)
   local rest = {}
   for _, item in ipairs(items) do
     if not chosen[item.id] then

@@ -36,10 +36,10 @@ for i, item in ipairs(selected) do
 end
 
 if r.s ~= 'confirming' or tonumber(r.pw or 0) <= now or r.sel ~= selection then
-  r.ep = tostring(redis.call('HINCRBY', rkey, 'ep', 1))
+  r.ep = tostring(tonumber(r.ep or 0) + 1)
 end
 r.s, r.sel, r.pw = 'confirming', selection, tostring(now + window)
-redis.call('HSET', rkey, 's', r.s, 'sel', r.sel, 'pw', r.pw)
+redis.call('HSET', rkey, 's', r.s, 'sel', r.sel, 'pw', r.pw, 'ep', r.ep or '0')
 redis.call('ZADD', base .. 'exp', now + window, rid)
 local keep = window + tonumber(redis.call('PTTL', rkey))
 redis.call('PEXPIRE', rkey, keep)
