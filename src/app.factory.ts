@@ -107,6 +107,16 @@ export async function createApp(config: AppConfig, options: { logger?: boolean }
   fastify.addHook('onRequest', async (req: FastifyRequest, reply: FastifyReply) => {
     req.receivedAtMs = Date.now();
     void reply.header('x-request-id', req.id);
+    // A request with no body is one without a body, whatever its Content-Type says: clients that send
+    // `Content-Type: application/json` on every call (a DELETE, a complete) would otherwise meet the JSON
+    // parser's refusal of an empty body.
+    const headers = req.headers;
+    if (
+      headers['content-type'] !== undefined &&
+      headers['transfer-encoding'] === undefined &&
+      (headers['content-length'] === undefined || headers['content-length'] === '0')
+    )
+      delete headers['content-type'];
     let refused: DomainError | undefined;
     if (closing) {
       refused = new DomainError(ErrorCode.DEPENDENCY_UNAVAILABLE, 'this instance is shutting down; nothing was changed (send it again)', {

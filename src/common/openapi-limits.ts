@@ -10,7 +10,7 @@ const LIMITS: Record<string, (constraints: unknown[]) => Schema> = {
   isInt: () => ({ type: 'integer' }),
   min: ([n]) => ({ minimum: n }),
   max: ([n]) => ({ maximum: n }),
-  isLength: ([min, max]) => (max === undefined ? { minLength: min } : { minLength: min, maxLength: max }),
+  isCharLength: ([min, max]) => ({ minLength: min, maxLength: max }),
   matches: ([pattern]) => ({ pattern: pattern instanceof RegExp ? pattern.source : String(pattern) }),
   arrayMinSize: ([n]) => ({ minItems: n }),
   arrayMaxSize: ([n]) => ({ maxItems: n }),

@@ -22,6 +22,42 @@ export function IsResourceId(options?: ValidationOptions): PropertyDecorator {
   };
 }
 
+/**
+ * Characters in a string as Postgres and JSON Schema's `maxLength` count them: Unicode code points (a
+ * surrogate pair is one). class-validator's `@Length` counts otherwise (validator.js leaves U+FE0E and
+ * U+FE0F out), so a value it passed could be longer than its `varchar` column and fail in Postgres.
+ */
+export function charLength(s: string): number {
+  let n = s.length;
+  for (let i = 0; i < s.length - 1; i++) {
+    const c = s.charCodeAt(i);
+    if (c >= 0xd800 && c <= 0xdbff) {
+      const d = s.charCodeAt(i + 1);
+      if (d >= 0xdc00 && d <= 0xdfff) {
+        n--;
+        i++;
+      }
+    }
+  }
+  return n;
+}
+
+/** A string of `min` to `max` characters, counted as `charLength` counts them. */
+export function IsCharLength(min: number, max: number, options?: ValidationOptions): PropertyDecorator {
+  return (target: object, propertyName: string | symbol) => {
+    registerDecorator({
+      name: 'isCharLength',
+      target: target.constructor,
+      propertyName: String(propertyName),
+      constraints: [min, max],
+      options: { message: `$property must be a string of ${min} to ${max} characters`, ...options },
+      validator: {
+        validate: (value: unknown) => typeof value === 'string' && charLength(value) >= min && charLength(value) <= max,
+      },
+    });
+  };
+}
+
 export const MAX_ATTRIBUTES = 32;
 export const MAX_ATTRIBUTE_KEY = 64;
 export const MAX_ATTRIBUTE_VALUE = 256;
@@ -51,7 +87,11 @@ export function IsFlatStringRecord(options?: ValidationOptions): PropertyDecorat
             entries.length <= MAX_ATTRIBUTES &&
             entries.every(
               ([k, v]) =>
-                k.length >= 1 && k.length <= MAX_ATTRIBUTE_KEY && !k.includes('\0') && v.length <= MAX_ATTRIBUTE_VALUE && !v.includes('\0'),
+                k.length >= 1 &&
+                charLength(k) <= MAX_ATTRIBUTE_KEY &&
+                !k.includes('\0') &&
+                charLength(v) <= MAX_ATTRIBUTE_VALUE &&
+                !v.includes('\0'),
             )
           );
         },

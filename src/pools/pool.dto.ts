@@ -9,13 +9,12 @@ import {
   IsObject,
   IsOptional,
   IsString,
-  Length,
   Matches,
   Max,
   Min,
   ValidateNested,
 } from 'class-validator';
-import { IsFlatStringRecord, IsResourceId, POOL_NAME, RESOURCE_ID } from '../common/validators.js';
+import { IsCharLength, IsFlatStringRecord, IsResourceId, POOL_NAME, RESOURCE_ID } from '../common/validators.js';
 
 export const POOL_KINDS = ['number', 'task'] as const;
 export type PoolKind = (typeof POOL_KINDS)[number];
@@ -115,7 +114,7 @@ export class PoolWithStatsDto extends PoolDto {
 export class ImportItemDto {
   @ApiProperty({ description: 'The item handed out (a phone number, a task id): unique within the pool', minLength: 1, maxLength: 256 })
   @IsString()
-  @Length(1, 256)
+  @IsCharLength(1, 256)
   value: string;
 
   @ApiPropertyOptional({
@@ -131,7 +130,7 @@ export class ImportItemDto {
   @ApiPropertyOptional({ description: 'Group of the item (task pools: reviewers are kept within a group)', maxLength: 256 })
   @IsOptional()
   @IsString()
-  @Length(1, 256)
+  @IsCharLength(1, 256)
   groupKey?: string;
 }
 
@@ -188,6 +187,6 @@ export class ResourceDto {
 export class ReleaseResourceDto {
   @ApiProperty({ description: 'The owner the item is allocated to', minLength: 1, maxLength: 128 })
   @IsString()
-  @Length(1, 128)
+  @IsCharLength(1, 128)
   owner: string;
 }

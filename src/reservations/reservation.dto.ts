@@ -9,13 +9,12 @@ import {
   IsObject,
   IsOptional,
   IsString,
-  Length,
   Matches,
   Max,
   Min,
   ValidateNested,
 } from 'class-validator';
-import { IsFlatStringRecord, IsResourceId } from '../common/validators.js';
+import { IsCharLength, IsFlatStringRecord, IsResourceId } from '../common/validators.js';
 import { MAX_TTL_MS } from '../pools/pool.dto.js';
 import { RESERVATION_ID_PATTERN } from '../redis/keys.js';
 
@@ -46,14 +45,14 @@ export class ReservationFilterDto {
   @ApiPropertyOptional({ description: 'Only items whose value starts with this prefix', example: '138', maxLength: 256 })
   @IsOptional()
   @IsString()
-  @Length(1, 256)
+  @IsCharLength(1, 256)
   valuePrefix?: string;
 }
 
 export class CreateReservationDto {
   @ApiProperty({ description: 'Who the items are held for', minLength: 1, maxLength: 128, example: 'user-123' })
   @IsString()
-  @Length(1, 128)
+  @IsCharLength(1, 128)
   owner: string;
 
   @ApiPropertyOptional({ description: 'How many items to hold, all or nothing', default: 1, minimum: 1, maximum: 100 })
@@ -173,6 +172,7 @@ export class ExtendDto {
   @ApiProperty({ description: "New hold time from now, ms (capped by the pool's maxHoldTtlMs)", minimum: 1000 })
   @IsInt()
   @Min(1000)
-  @Max(MAX_TTL_MS)
+  // Any larger value is capped by the pool's maxHoldTtlMs, not refused (API.md); this only keeps it exact.
+  @Max(Number.MAX_SAFE_INTEGER)
   ttlMs: number;
 }

@@ -1,6 +1,7 @@
 import { ApiProperty, ApiPropertyOptional } from '@nestjs/swagger';
-import { IsInt, IsOptional, IsString, Length, Matches, Max, Min } from 'class-validator';
+import { IsInt, IsOptional, IsString, Matches, Max, Min } from 'class-validator';
 import { MAX_TTL_MS } from '../pools/pool.dto.js';
+import { IsCharLength } from '../common/validators.js';
 import { RESERVATION_ID_PATTERN } from '../redis/keys.js';
 
 export class LeaseParams {
@@ -16,7 +17,7 @@ export class LeaseParams {
 export class NextTaskDto {
   @ApiProperty({ description: 'The reviewer pulling a task', minLength: 1, maxLength: 128, example: 'r-7' })
   @IsString()
-  @Length(1, 128)
+  @IsCharLength(1, 128)
   reviewer: string;
 
   @ApiPropertyOptional({ description: "Lease time, ms: 1000 to the pool's maxHoldTtlMs; default the pool's holdTtlMs", minimum: 1000 })
@@ -55,7 +56,8 @@ export class HeartbeatDto {
   @IsOptional()
   @IsInt()
   @Min(1000)
-  @Max(MAX_TTL_MS)
+  // Capped, not refused, like extend's ttlMs.
+  @Max(Number.MAX_SAFE_INTEGER)
   leaseMs?: number;
 }
 

@@ -265,7 +265,7 @@ describe('compiled DTOs', () => {
     expect(run({ owner: '', count: 101, extra: 1 })).toEqual({
       fields: [
         { field: 'extra', reason: 'property extra should not exist' },
-        { field: 'owner', reason: 'owner must be longer than or equal to 1 characters' },
+        { field: 'owner', reason: 'owner must be a string of 1 to 128 characters' },
         { field: 'count', reason: 'count must not be greater than 100' },
       ],
     });

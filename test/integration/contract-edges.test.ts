@@ -1,0 +1,75 @@
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { TestInstance, TestWorld, numbers, seedPool } from '../support/harness.js';
+
+/**
+ * Edges of API.md a client meets without looking for them: lengths counted in characters as Postgres counts
+ * them, a bodiless call sent with a JSON Content-Type, a hold time above any pool's maximum on extend.
+ */
+describe('API.md edges', () => {
+  const world = new TestWorld('edges');
+  let api: TestInstance;
+
+  beforeAll(async () => {
+    api = await world.start();
+  });
+  afterAll(() => world.cleanup());
+
+  it('an import whose value is longer than 256 characters (a character + U+FE0F, 2 characters each) is 400 VALIDATION_FAILED naming it, not 500, and inserts nothing', async () => {
+    await seedPool(api, 'long-value', numbers(1));
+    // 200 × ("a" + VARIATION SELECTOR-16) = 400 characters (code points) and 400 UTF-16 units: over the limit
+    // by any count. class-validator's isLength counts each "a\uFE0F" as one, so validation lets it through
+    // and Postgres' varchar(256) refuses it.
+    const value = 'a\uFE0F'.repeat(200);
+    expect([...value].length).toBe(400);
+    const answer = await api.post('/v1/pools/long-value/resources', { items: [{ value: '13900000000' }, { value }] });
+    expect(answer.status).toBe(400);
+    expect(answer.body.error.code).toBe('VALIDATION_FAILED');
+    expect(answer.body.error.details.fields.map((f: { field: string }) => f.field)).toContain('items.1.value');
+    expect((await world.query(`SELECT count(*)::int AS n FROM t_resource WHERE value = '13900000000'`))[0].n).toBe(0);
+  });
+
+  it('a reserve whose owner is longer than 128 characters (a character + U+FE0F, 2 characters each) is 400 VALIDATION_FAILED and holds nothing', async () => {
+    await seedPool(api, 'long-owner', numbers(2));
+    const owner = 'u\uFE0F'.repeat(100); // 200 characters
+    const answer = await api.post('/v1/pools/long-owner/reservations', { owner });
+    expect(answer.status).toBe(400);
+    expect(answer.body.error.code).toBe('VALIDATION_FAILED');
+    expect((await api.get('/v1/pools/long-owner')).body.stats).toEqual({ total: 2, free: 2, held: 0, allocated: 0 });
+  });
+
+  it('DELETE /v1/reservations/{id} sent with Content-Type: application/json and no body releases it (200, state released), as without the header', async () => {
+    await seedPool(api, 'del-ct', numbers(2));
+    const r = await api.post('/v1/pools/del-ct/reservations', { owner: 'u', count: 2 });
+    expect(r.status).toBe(201);
+    const answer = await api.request('DELETE', `/v1/reservations/${r.body.id}`, undefined, { 'content-type': 'application/json' });
+    expect(answer.status).toBe(200);
+    expect(answer.body.state).toBe('released');
+    expect((await api.get('/v1/pools/del-ct')).body.stats).toEqual({ total: 2, free: 2, held: 0, allocated: 0 });
+  });
+
+  it("extend with a ttlMs above 7 days is capped by the pool's maxHoldTtlMs (200), not refused", async () => {
+    await seedPool(api, 'ext-cap', numbers(1), { maxHoldTtlMs: 7_200_000 });
+    const r = await api.post('/v1/pools/ext-cap/reservations', { owner: 'u', ttlMs: 60_000 });
+    expect(r.status).toBe(201);
+    const before = Date.now();
+    const answer = await api.post(`/v1/reservations/${r.body.id}/extend`, { ttlMs: 8 * 86_400_000 });
+    expect(answer.status).toBe(200);
+    const expiresIn = Date.parse(answer.body.expiresAt) - before;
+    expect(expiresIn).toBeGreaterThan(7_200_000 - 5_000);
+    expect(expiresIn).toBeLessThanOrEqual(7_200_000 + 5_000);
+  });
+
+  it("a heartbeat with a leaseMs above 7 days is capped by the pool's maxHoldTtlMs, and complete takes a JSON Content-Type with no body", async () => {
+    await seedPool(api, 'hb-cap', ['task-1'], { kind: 'task', maxHoldTtlMs: 7_200_000 });
+    const lease = await api.post('/v1/pools/hb-cap/tasks/next', { reviewer: 'r', leaseMs: 60_000 });
+    expect(lease.status).toBe(200);
+    const before = Date.now();
+    const beat = await api.post(`/v1/tasks/${lease.body.leaseId}/heartbeat`, { leaseMs: 8 * 86_400_000 });
+    expect(beat.status).toBe(200);
+    expect(Date.parse(beat.body.expiresAt) - before).toBeGreaterThan(7_200_000 - 5_000);
+    expect(Date.parse(beat.body.expiresAt) - before).toBeLessThanOrEqual(7_200_000 + 5_000);
+    const done = await api.request('POST', `/v1/tasks/${lease.body.leaseId}/complete`, undefined, { 'content-type': 'application/json' });
+    expect(done.status).toBe(200);
+    expect(done.body.state).toBe('completed');
+  });
+});
