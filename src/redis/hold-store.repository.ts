@@ -93,6 +93,14 @@ type ScriptCall = (key: string, ...args: (string | number)[]) => Promise<unknown
 
 /** Tombstone of an allocated item: long enough that a rebuild page read before the commit cannot re-add it. */
 export const TOMBSTONE_MS = 60_000;
+/**
+ * An open (held, confirming) reservation's record outlives its hold by at least this long, whatever
+ * RESERVATION_RETENTION_MS says (that is how long a closed one stays readable). The sweeper reads the record
+ * to close it: to give its items back and lower its owner's count. Gone before a sweep reached it (no
+ * instance sweeping for longer than a short retention: a restart), its items would wait for the next rebuild
+ * and its owner would keep counting them against maxHoldsPerOwner.
+ */
+export const OPEN_RECORD_MARGIN_MS = 86_400_000;
 /** A rebuild round's key outlives any round (a lingering one, of a round that died, expires). */
 const REBUILD_RUN_KEY_MS = 24 * 3600_000;
 /** The marker set to ARGV[2] only over ARGV[1] (Redis 7.0 has no SET ... IFEQ). */
@@ -132,6 +140,8 @@ export class HoldStore implements OnApplicationShutdown {
   private readonly logger = new Logger(HoldStore.name);
   private readonly prefix: string;
   private readonly retentionMs: number;
+  /** How long an open reservation's record outlives its hold (see OPEN_RECORD_MARGIN_MS). */
+  private readonly openRecordMs: number;
 
   constructor(
     @Inject(REDIS) private readonly redis: Redis,
@@ -148,6 +158,7 @@ export class HoldStore implements OnApplicationShutdown {
       last = '';
     });
     this.retentionMs = config.RESERVATION_RETENTION_MS;
+    this.openRecordMs = Math.max(config.RESERVATION_RETENTION_MS, OPEN_RECORD_MARGIN_MS);
     for (const name of SCRIPTS) {
       if (!(name in redis)) redis.defineCommand(`rp_${name}`, { numberOfKeys: 1, lua: loadScript(name) });
     }
@@ -190,7 +201,7 @@ export class HoldStore implements OnApplicationShutdown {
         req.ttlMs,
         req.maxHoldsPerOwner,
         req.kind,
-        this.retentionMs,
+        this.openRecordMs,
         req.idempotencyKey ?? '',
         req.bodyHash ?? '',
         this.config.IDEMPOTENCY_TTL_MS,
@@ -273,7 +284,7 @@ export class HoldStore implements OnApplicationShutdown {
   }
 
   async extend(pool: string, reservationId: string, ttlMs: number): Promise<ExtendResult> {
-    const reply = await this.run<string[]>('extend', pool, reservationId, ttlMs, this.retentionMs, this.config.HOLD_GRACE_MS);
+    const reply = await this.run<string[]>('extend', pool, reservationId, ttlMs, this.openRecordMs, this.config.HOLD_GRACE_MS);
     if (reply[0] === 'extended') return { status: 'extended', reservation: parseReservation(reply) };
     return { status: reply[0] as 'expired' | 'closed' | 'missing' };
   }

@@ -1,7 +1,8 @@
 -- extend: extend a live reservation or heartbeat a lease: expiresAt = now + ttl.
--- ARGV: 1 base, 2 rid, 3 ttl ms (already capped by the pool's maxHoldTtlMs), 4 retention ms, 5 grace ms (see reserve)
+-- ARGV: 1 base, 2 rid, 3 ttl ms (already capped by the pool's maxHoldTtlMs), 4 how long the record outlives its
+--       hold, ms (see reserve), 5 grace ms (see reserve)
 -- Returns: {"extended", ...reservation} | {"expired"} | {"closed"} | {"missing"}
-local base, rid, ttl, retention, grace = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
+local base, rid, ttl, open_record_ms, grace = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
 local rkey = base .. 'r:' .. rid
 local r = read_reservation(rkey)
 local now = now_ms()
@@ -18,5 +19,5 @@ end
 r.e = tostring(now + ttl)
 redis.call('HSET', rkey, 'e', r.e)
 redis.call('ZADD', base .. 'exp', now + ttl + grace, rid)
-redis.call('PEXPIRE', rkey, ttl + grace + retention)
+redis.call('PEXPIRE', rkey, ttl + grace + open_record_ms)
 return reply_of('extended', rid, r, now)

@@ -1,14 +1,15 @@
 -- reserve: holds `count` free items for one owner, all or nothing, and records the reservation.
 -- KEYS: none (every key is built from ARGV[1], the pool's key base with its {hash tag})
 -- ARGV: 1 base, 2 rid, 3 owner, 4 count, 5 ttlMs, 6 maxHoldsPerOwner (0 = none), 7 kind ("r"|"l"),
---       8 retentionMs, 9 idempotency key ("" = none), 10 body hash, 11 idempotency ttlMs,
+--       8 how long the record outlives its hold, ms (a sweep closes it before), 9 idempotency key ("" = none),
+--       10 body hash, 11 idempotency ttlMs,
 --       12 attribute filter as JSON object ("" = none), 13 value prefix ("" = none), 14 group affinity ("1"|"0"),
 --       15 grace ms (the holds outlive expiresAt by this much; the sweeper looks at the reservation then)
 -- Returns: {"ok"|"replay", rid, state, owner, kind, createdMs, expiresMs, itemsJson, outcomeJson, nowMs}
 --          or {"exhausted"} | {"quota", heldNow} | {"reused"}
 local base, rid, owner = ARGV[1], ARGV[2], ARGV[3]
 local count, ttl, max_holds = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
-local kind, retention = ARGV[7], tonumber(ARGV[8])
+local kind, open_record_ms = ARGV[7], tonumber(ARGV[8])
 local idem_key, body_hash, idem_ttl = ARGV[9], ARGV[10], tonumber(ARGV[11])
 local attr_json, prefix, affinity, grace = ARGV[12], ARGV[13], ARGV[14] == '1', tonumber(ARGV[15])
 local now = now_ms()
@@ -255,7 +256,7 @@ local rkey = base .. 'r:' .. rid
 local r = { o = owner, k = kind, s = 'held', i = '[' .. table.concat(jsons, ',') .. ']', c = tostring(now),
   e = tostring(now + ttl), cnt = '1', g = generation }
 redis.call('HSET', rkey, 'o', r.o, 'k', r.k, 's', r.s, 'i', r.i, 'c', r.c, 'e', r.e, 'cnt', r.cnt, 'g', r.g)
-redis.call('PEXPIRE', rkey, hold_ms + retention)
+redis.call('PEXPIRE', rkey, hold_ms + open_record_ms)
 redis.call('ZADD', base .. 'exp', now + hold_ms, rid)
 count_items(base, owner, kind, items, 1)
 if idem_key ~= '' then
