@@ -204,10 +204,14 @@ export class ResourceRepository {
     return rows[0] ?? null;
   }
 
-  /** One page of the pool's free rows, in id order, for the rebuild of the free index. */
+  /**
+   * One page of the pool's free rows, in id order, for the rebuild of the free index. In numeric order:
+   * a bare `ORDER BY id` would sort by ROW's `id::text` (an output name wins there), and the next page,
+   * after the last id of a page in text order, would skip every smaller id that sorts after it as text.
+   */
   freePage(poolId: string, afterId: string, limit: number): Promise<ResourceRow[]> {
     return pg(() =>
-      this.db.query(`SELECT ${ROW} FROM t_resource WHERE pool_id = $1 AND state = 1 AND id > $2 ORDER BY id LIMIT $3`, [
+      this.db.query(`SELECT ${ROW} FROM t_resource WHERE pool_id = $1 AND state = 1 AND id > $2 ORDER BY t_resource.id LIMIT $3`, [
         poolId,
         afterId,
         limit,

@@ -84,6 +84,20 @@ describe('rebuild of Redis from Postgres, one instance at a time', () => {
     }
   });
 
+  it('re-adds every free row of a pool larger than one page (ids read in numeric order, page after page)', async () => {
+    // 12,000 rows: ids of one to five digits, more than two pages of the rebuild (5,000 rows each).
+    await seedPool(a, 'paged', numbers(12_000));
+    const redis = (await import('ioredis')).Redis;
+    const client = new redis(a.config.REDIS_URL);
+    try {
+      await client.del(poolKeys(world.prefix, 'paged').free);
+    } finally {
+      client.disconnect();
+    }
+    expect(await b.app.get(RebuildService).rebuild('periodic')).toBe(12_000);
+    expect((await a.get('/v1/pools/paged')).body.stats).toEqual({ total: 12_000, free: 12_000, held: 0, allocated: 0 });
+  }, 30_000);
+
   it('a rebuild in the current generation that finds a generation key gone (wiped meanwhile) rebuilds in a new one', async () => {
     await seedPool(a, 'gen-gone', numbers(2));
     const [{ gen: before }] = await world.query(`SELECT gen::int AS gen FROM t_redis_generation`);
