@@ -35,8 +35,17 @@ export class StartupError extends Error {}
 
 /** The StartupError for `dependency` at `url` (its host and port only, never the credentials). */
 export function unreachable(dependency: string, url: URL, defaultPort: number, cause: unknown, why = ''): StartupError {
-  const reason = cause instanceof Error ? cause.message : String(cause);
   return new StartupError(
-    `${dependency} at ${url.hostname}:${url.port || defaultPort} cannot be reached${why ? ` ${why}` : ''}: ${reason}`,
+    `${dependency} at ${url.hostname}:${url.port || defaultPort} cannot be reached${why ? ` ${why}` : ''}: ${reasonOf(cause)}`,
   );
+}
+
+/**
+ * What went wrong, in words. A host that resolves to several addresses (`localhost`: 127.0.0.1 and ::1) fails
+ * with an AggregateError whose own message is empty: its errors say it. An Error without a message gives its code.
+ */
+function reasonOf(cause: unknown): string {
+  if (cause instanceof AggregateError && !cause.message) return cause.errors.map(reasonOf).join('; ');
+  if (cause instanceof Error) return cause.message || String((cause as { code?: unknown }).code ?? cause.name);
+  return String(cause);
 }

@@ -1,3 +1,5 @@
+import { realpathSync } from 'node:fs';
+import { fileURLToPath } from 'node:url';
 import pg from 'pg';
 import { DataSource, DataSourceOptions } from 'typeorm';
 import { AppConfig, loadConfig } from '../config/app-config.js';
@@ -80,7 +82,9 @@ export async function runMigrations(config: AppConfig): Promise<string[]> {
 }
 
 // `npm run migration:run`: apply pending migrations and exit.
-if (import.meta.url === `file://${process.argv[1]}`) {
+// (Run as a script, not imported: compared as real paths, so that a symlink or a space in the path does not
+// make it a silent no-op.)
+if (process.argv[1] !== undefined && fileURLToPath(import.meta.url) === realpathOrSelf(process.argv[1])) {
   runMigrations(loadConfig(process.env))
     .then((applied) => {
       console.log(applied.length ? `applied: ${applied.join(', ')}` : 'no pending migrations');
@@ -89,4 +93,12 @@ if (import.meta.url === `file://${process.argv[1]}`) {
       console.error(err instanceof Error ? err.message : err);
       process.exitCode = 1;
     });
+}
+
+function realpathOrSelf(path: string): string {
+  try {
+    return realpathSync(path);
+  } catch {
+    return path;
+  }
 }

@@ -67,14 +67,16 @@ export function withTimeout<T>(command: Promise<T>, ms: number): Promise<T> {
 export class EvictionPolicyError extends Error {}
 
 /** Refuses to run on a Redis that may evict keys: an evicted hold is a double allocation. */
-export async function assertNoEviction(redis: Redis, timeoutMs: number): Promise<void> {
+export async function assertNoEviction(redis: Redis, url: URL, timeoutMs: number): Promise<void> {
   const info = await withTimeout(redis.info('memory'), timeoutMs);
   const policy = /maxmemory_policy:(\S+)/.exec(info)?.[1];
   if (policy !== 'noeviction') {
+    const host = url.hostname;
+    const port = url.port || '6379';
     throw new EvictionPolicyError(
-      `Redis maxmemory-policy is "${policy ?? 'unknown'}"; respool needs "noeviction" because an evicted hold ` +
-        'would let two callers take the same item. Run: redis-cli CONFIG SET maxmemory-policy noeviction ' +
-        '(and set it in redis.conf).',
+      `Redis at ${host}:${port} has maxmemory-policy "${policy ?? 'unknown'}"; respool needs "noeviction" because an ` +
+        `evicted hold would let two callers take the same item. Run: redis-cli -h ${host} -p ${port} CONFIG SET ` +
+        'maxmemory-policy noeviction (and set it in redis.conf).',
     );
   }
 }

@@ -1,6 +1,6 @@
 import { HttpException, NotFoundException, PayloadTooLargeException, ServiceUnavailableException } from '@nestjs/common';
 import { describe, expect, it } from 'vitest';
-import { isPostgresOutage, isRedisOutage } from '../../src/common/dependency-errors.js';
+import { isPostgresOutage, isRedisOutage, unreachable } from '../../src/common/dependency-errors.js';
 import { DomainError, ErrorCode, HTTP_STATUS } from '../../src/common/errors.js';
 import { mapError } from '../../src/common/http-errors.js';
 
@@ -55,5 +55,17 @@ describe('dependency outages', () => {
     expect(isRedisOutage(new Error("Stream isn't writeable and enableOfflineQueue options is false"))).toBe(true);
     expect(isRedisOutage(Object.assign(new Error('LOADING Redis is loading'), { name: 'ReplyError' }))).toBe(true);
     expect(isRedisOutage(Object.assign(new Error('ERR user_script:1: bad'), { name: 'ReplyError' }))).toBe(false);
+  });
+
+  it('says why a dependency cannot be reached, also when a host has two addresses (an AggregateError has no message)', () => {
+    const refused = (address: string) => Object.assign(new Error(`connect ECONNREFUSED ${address}:5432`), { code: 'ECONNREFUSED' });
+    const both = new AggregateError([refused('::1'), refused('127.0.0.1')]);
+    expect(both.message).toBe('');
+    expect(unreachable('Postgres', new URL('postgres://u:pw@localhost/x'), 5432, both).message).toBe(
+      'Postgres at localhost:5432 cannot be reached: connect ECONNREFUSED ::1:5432; connect ECONNREFUSED 127.0.0.1:5432',
+    );
+    expect(unreachable('Redis', new URL('redis://h:7000'), 6379, Object.assign(new Error(''), { code: 'ETIMEDOUT' })).message).toBe(
+      'Redis at h:7000 cannot be reached: ETIMEDOUT',
+    );
   });
 });
