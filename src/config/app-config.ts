@@ -147,7 +147,7 @@ export class AppConfig {
   @Max(10_000_000)
   RATE_LIMIT_PER_SECOND = 0;
 
-  /** Requests a client may burst above the rate (defaults to the rate). */
+  /** Most requests a client may send at once: its token bucket's size (0 = RATE_LIMIT_PER_SECOND); refilled at the rate. */
   @Transform(toInt)
   @IsInt()
   @Min(0)
