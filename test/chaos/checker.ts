@@ -56,8 +56,10 @@ export class HoldSampler {
       this.samples++;
       const { holders } = snapshot;
       if (holders.size > 0) this.samplesWithHolds++;
-      for (const [id, rids] of holders)
-        if (rids.length > 1) this.violations.push(`item ${id} in ${rids.length} live holds: ${rids.join(', ')}`);
+      for (const entry of snapshot.lost) {
+        const [id, rid, holder] = entry.split(' ');
+        this.violations.push(`item ${id} of reservation ${rid}, still due, is held by ${holder === 'false' ? 'nobody' : holder}`);
+      }
       for (const id of snapshot.free) {
         if (holders.has(id)) this.violations.push(`item ${id} free while held by ${holders.get(id)!.join(', ')}`);
       }
