@@ -85,15 +85,16 @@ export async function createApp(config: AppConfig, options: { logger?: boolean }
   });
   try {
     const redis = app.get<Redis>(REDIS);
+    const redisUrl = new URL(config.REDIS_URL);
     // connect() fails with "Connection is closed."; the socket's own error (refused, unknown host) came first.
     let cause: unknown;
     const keepCause = (err: unknown) => (cause ??= err);
     redis.on('error', keepCause);
     await redis
       .connect()
-      .catch((err: unknown) => Promise.reject(unreachable('Redis', new URL(config.REDIS_URL), 6379, cause ?? err)))
+      .catch((err: unknown) => Promise.reject(unreachable('Redis', redisUrl, 6379, cause ?? err)))
       .finally(() => redis.off('error', keepCause));
-    await assertNoEviction(redis, new URL(config.REDIS_URL), config.REDIS_TIMEOUT_MS);
+    await assertNoEviction(redis, redisUrl, config.REDIS_TIMEOUT_MS);
   } catch (err) {
     await app.close().catch(() => undefined);
     throw err;

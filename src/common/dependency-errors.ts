@@ -33,11 +33,15 @@ export function isRedisOutage(err: unknown): boolean {
 /** A dependency the service cannot start without could not be reached; the message says which, and where. */
 export class StartupError extends Error {}
 
-/** The StartupError for `dependency` at `url` (its host and port only, never the credentials). */
+/** Where a dependency is, for messages: host and port only, never the credentials. */
+export function endpoint(url: URL, defaultPort: number): { host: string; port: string } {
+  return { host: url.hostname, port: url.port || String(defaultPort) };
+}
+
+/** The StartupError for `dependency` at `url`. */
 export function unreachable(dependency: string, url: URL, defaultPort: number, cause: unknown, why = ''): StartupError {
-  return new StartupError(
-    `${dependency} at ${url.hostname}:${url.port || defaultPort} cannot be reached${why ? ` ${why}` : ''}: ${reasonOf(cause)}`,
-  );
+  const { host, port } = endpoint(url, defaultPort);
+  return new StartupError(`${dependency} at ${host}:${port} cannot be reached${why ? ` ${why}` : ''}: ${reasonOf(cause)}`);
 }
 
 /**

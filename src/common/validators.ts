@@ -52,7 +52,11 @@ export function IsCharLength(min: number, max: number, options?: ValidationOptio
       constraints: [min, max],
       options: { message: `$property must be a string of ${min} to ${max} characters`, ...options },
       validator: {
-        validate: (value: unknown) => typeof value === 'string' && charLength(value) >= min && charLength(value) <= max,
+        validate(value: unknown): boolean {
+          if (typeof value !== 'string') return false;
+          const n = charLength(value);
+          return n >= min && n <= max;
+        },
       },
     });
   };

@@ -1,5 +1,6 @@
 import { Redis } from 'ioredis';
 import { AppConfig } from '../config/app-config.js';
+import { endpoint } from '../common/dependency-errors.js';
 
 export const REDIS = Symbol('REDIS');
 
@@ -71,8 +72,7 @@ export async function assertNoEviction(redis: Redis, url: URL, timeoutMs: number
   const info = await withTimeout(redis.info('memory'), timeoutMs);
   const policy = /maxmemory_policy:(\S+)/.exec(info)?.[1];
   if (policy !== 'noeviction') {
-    const host = url.hostname;
-    const port = url.port || '6379';
+    const { host, port } = endpoint(url, 6379);
     throw new EvictionPolicyError(
       `Redis at ${host}:${port} has maxmemory-policy "${policy ?? 'unknown'}"; respool needs "noeviction" because an ` +
         `evicted hold would let two callers take the same item. Run: redis-cli -h ${host} -p ${port} CONFIG SET ` +

@@ -61,7 +61,7 @@ export class HoldSampler {
         this.violations.push(`item ${id} of reservation ${rid}, still due, is held by ${holder === 'false' ? 'nobody' : holder}`);
       }
       for (const id of snapshot.free) {
-        if (holders.has(id)) this.violations.push(`item ${id} free while held by ${holders.get(id)!.join(', ')}`);
+        if (holders.has(id)) this.violations.push(`item ${id} free while held by ${holders.get(id)}`);
       }
     }
   }

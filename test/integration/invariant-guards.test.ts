@@ -19,7 +19,6 @@ describe('invariant mechanisms, each guarded', () => {
     api = await world.start();
   });
   afterAll(() => world.cleanup());
-  const stats = async (pool: string) => (await api.get(`/v1/pools/${pool}`)).body.stats;
 
   it('invariant 1: a free-index entry for an item under a live hold is never handed out (the hold is taken only if there is none)', async () => {
     await seedPool(api, 'g1', numbers(1));
@@ -38,7 +37,7 @@ describe('invariant mechanisms, each guarded', () => {
     await seedPool(api, 'p3', numbers(2));
     const r = await api.post('/v1/pools/p3/reservations', { owner: 'tardy', count: 2, ttlMs: 1000 });
     const [x, y] = r.body.items;
-    await eventually(async () => (await stats('p3')).free === 2, 4000);
+    await eventually(async () => (await api.stats('p3')).free === 2, 4000);
     const rival = await api.post('/v1/pools/p3/reservations', {
       owner: 'rival',
       count: 1,
@@ -92,7 +91,7 @@ describe('invariant mechanisms, each guarded', () => {
     expect((await api.app.get(HoldStore).read('p19', r.body.id))?.state).toBe('held');
     const released = await api.del(`/v1/reservations/${r.body.id}`);
     expect(released.status, JSON.stringify(released.body)).toBe(200);
-    expect(await stats('p19')).toEqual({ total: 2, free: 2, held: 0, allocated: 0 });
+    expect(await api.stats('p19')).toEqual({ total: 2, free: 2, held: 0, allocated: 0 });
   });
 
   it('invariant 6: releasing an allocated item while Redis is unreachable is 503 and changes nothing', async () => {

@@ -25,8 +25,6 @@ describe('recovery: Redis wiped or down, Postgres down, an instance gone', () =>
     await redis.stop();
   });
 
-  const stats = async (pool: string) => (await api.get(`/v1/pools/${pool}`)).body.stats;
-
   it('invariant 5: after FLUSHALL, every free item is reservable again within 5 s without a restart, and no allocated item ever is', async () => {
     await seedPool(api, 'wipe', numbers(20));
     const allocated: string[] = [];
@@ -80,7 +78,7 @@ describe('recovery: Redis wiped or down, Postgres down, an instance gone', () =>
     expect((await api.get(`/v1/reservations/${r.body.id}`)).body).toMatchObject({ state: 'confirmed', allocated: first.body.allocated });
     const other = await api.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [r.body.items[1].resourceId] });
     expect(other.body.error.code).toBe('RESERVATION_CLOSED');
-    await eventually(async () => (await stats('durable')).free === 2, 5000);
+    await eventually(async () => (await api.stats('durable')).free === 2, 5000);
   });
 
   it('invariant 5: a confirm pinned before Redis was wiped cannot land on an item the rebuild handed out again', async () => {
@@ -113,7 +111,7 @@ describe('recovery: Redis wiped or down, Postgres down, an instance gone', () =>
     const client = redis.client();
     await client.flushall();
     client.disconnect();
-    await eventually(async () => (await stats('stale-page'))?.free === 1, 5000);
+    await eventually(async () => (await api.stats('stale-page'))?.free === 1, 5000);
     // The late write arrives after the rebuild: its allocation tombstone was wiped, the generation fences it.
     expect(await holds.addFree('stale-page', before, await holds.clock(), [stale])).toBe(0);
     const taken = await api.post('/v1/pools/stale-page/reservations', { owner: 'after', count: 2 });
@@ -189,7 +187,7 @@ describe('recovery: Redis wiped or down, Postgres down, an instance gone', () =>
     }
     // Back up (empty, like a restart without persistence): rebuilt from Postgres by itself.
     await eventually(async () => (await api.get('/health/ready')).status === 200, 5000);
-    await eventually(async () => (await stats('redis-down'))?.free === 3, 5000);
+    await eventually(async () => (await api.stats('redis-down'))?.free === 3, 5000);
   });
 
   it('invariant 6: with Postgres unreachable, confirm answers 503 and allocates nothing; it succeeds once Postgres is back', async () => {

@@ -25,7 +25,6 @@ describe('reservations', () => {
 
   const reserve = (pool: string, body: Record<string, unknown>, headers?: Record<string, string>) =>
     api.post(`/v1/pools/${pool}/reservations`, body, headers);
-  const stats = async (pool: string) => (await api.get(`/v1/pools/${pool}`)).body.stats;
   const dbRow = async (id: string) => (await world.query(`SELECT state, version, owner FROM t_resource WHERE id = $1`, [id]))[0];
 
   it('reserve 3, confirm 1: the chosen one is allocated, the other two are free again at once', async () => {
@@ -38,7 +37,7 @@ describe('reservations', () => {
     const expiresIn = Date.parse(r.body.expiresAt) - Date.now();
     expect(expiresIn).toBeGreaterThan(890_000);
     expect(expiresIn).toBeLessThan(910_000);
-    expect(await stats('flow')).toEqual({ total: 3, free: 0, held: 3, allocated: 0 });
+    expect(await api.stats('flow')).toEqual({ total: 3, free: 0, held: 3, allocated: 0 });
 
     const [chosen, ...others] = r.body.items;
     const confirmed = await api.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [chosen.resourceId] });
@@ -49,7 +48,7 @@ describe('reservations', () => {
       allocated: [{ resourceId: chosen.resourceId, value: chosen.value, version: chosen.version + 1 }],
       released: others.map((i: { resourceId: string }) => i.resourceId),
     });
-    expect(await stats('flow')).toEqual({ total: 3, free: 2, held: 0, allocated: 1 });
+    expect(await api.stats('flow')).toEqual({ total: 3, free: 2, held: 0, allocated: 1 });
     expect(await dbRow(chosen.resourceId)).toEqual({ state: 2, version: chosen.version + 1, owner: 'user-123' });
 
     const again = await reserve('flow', { owner: 'user-456', count: 2 });
@@ -71,7 +70,7 @@ describe('reservations', () => {
     expect(tooMany.body.error.code).toBe('POOL_EXHAUSTED');
     const tooManyByPrefix = await reserve('all-or-none', { owner: 'a', count: 3, filter: { valuePrefix: '138' } });
     expect(tooManyByPrefix.body.error.code).toBe('POOL_EXHAUSTED');
-    expect(await stats('all-or-none')).toEqual({ total: 3, free: 3, held: 0, allocated: 0 });
+    expect(await api.stats('all-or-none')).toEqual({ total: 3, free: 3, held: 0, allocated: 0 });
 
     // Every item the failed reserves looked at is still free and unheld: a reserve of all of them gets them.
     const all = await reserve('all-or-none', { owner: 'b', count: 3 });
@@ -199,7 +198,7 @@ describe('reservations', () => {
     expect(answer.status).toBe(422);
     expect(answer.body.error).toMatchObject({ code: 'NOT_IN_RESERVATION', details: { resourceId: stranger } });
     expect((await api.get(`/v1/reservations/${r.body.id}`)).body.state).toBe('held');
-    expect(await stats('notin')).toEqual({ total: 4, free: 2, held: 2, allocated: 0 });
+    expect(await api.stats('notin')).toEqual({ total: 4, free: 2, held: 2, allocated: 0 });
   });
 
   it('DELETE releases the held items at once and is idempotent; confirm afterwards is RESERVATION_CLOSED', async () => {
@@ -209,11 +208,11 @@ describe('reservations', () => {
     const withBody = await api.request('DELETE', `/v1/reservations/${r.body.id}`, { force: true });
     expect(withBody.status).toBe(400);
     expect(withBody.body.error.details.fields).toEqual([{ field: 'force', reason: 'property force should not exist' }]);
-    expect(await stats('release')).toEqual({ total: 2, free: 0, held: 2, allocated: 0 });
+    expect(await api.stats('release')).toEqual({ total: 2, free: 0, held: 2, allocated: 0 });
     const released = await api.del(`/v1/reservations/${r.body.id}`);
     expect(released.status).toBe(200);
     expect(released.body.state).toBe('released');
-    expect(await stats('release')).toEqual({ total: 2, free: 2, held: 0, allocated: 0 });
+    expect(await api.stats('release')).toEqual({ total: 2, free: 2, held: 0, allocated: 0 });
     const again = await api.del(`/v1/reservations/${r.body.id}`);
     expect(again.status).toBe(200);
     expect(again.body.state).toBe('released');
@@ -271,13 +270,13 @@ describe('reservations', () => {
     await seedPool(api, 'late-ok', numbers(2));
     const r = await reserve('late-ok', { owner: 'tardy', count: 2, ttlMs: 1000 });
     await eventually(async () => (await api.get(`/v1/reservations/${r.body.id}`)).body.state === 'expired', 3000);
-    await eventually(async () => (await stats('late-ok')).free === 2, 3000);
+    await eventually(async () => (await api.stats('late-ok')).free === 2, 3000);
     const chosen = r.body.items[0];
     const confirmed = await api.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [chosen.resourceId] });
     expect(confirmed.status).toBe(200);
     expect(confirmed.body.allocated[0]).toEqual({ resourceId: chosen.resourceId, value: chosen.value, version: chosen.version + 1 });
     expect(await dbRow(chosen.resourceId)).toEqual({ state: 2, version: chosen.version + 1, owner: 'tardy' });
-    expect(await stats('late-ok')).toEqual({ total: 2, free: 1, held: 0, allocated: 1 });
+    expect(await api.stats('late-ok')).toEqual({ total: 2, free: 1, held: 0, allocated: 1 });
   });
 
   it('a confirm after expiry of an item someone else now holds is HOLD_LOST and allocates nothing', async () => {
@@ -337,11 +336,11 @@ describe('reservations', () => {
     expect(first.status).toBe(201);
     expect(repeat.status).toBe(200);
     expect(repeat.body).toEqual(first.body);
-    expect(await stats('idem')).toMatchObject({ free: 3, held: 2 });
+    expect(await api.stats('idem')).toMatchObject({ free: 3, held: 2 });
     const reused = await reserve('idem', { owner: 'front', count: 3 }, { 'Idempotency-Key': 'order-1' });
     expect(reused.status).toBe(409);
     expect(reused.body.error.code).toBe('IDEMPOTENCY_KEY_REUSED');
-    expect(await stats('idem')).toMatchObject({ free: 3, held: 2 });
+    expect(await api.stats('idem')).toMatchObject({ free: 3, held: 2 });
     const badKey = await reserve('idem', body, { 'Idempotency-Key': 'x'.repeat(300) });
     expect(badKey.status).toBe(400);
   });
@@ -353,7 +352,7 @@ describe('reservations', () => {
     expect(over.status).toBe(429);
     expect(over.body.error.code).toBe('OWNER_QUOTA_EXCEEDED');
     expect((await reserve('quota', { owner: 'modest', count: 2 })).status).toBe(201);
-    expect(await stats('quota')).toMatchObject({ free: 2, held: 4 });
+    expect(await api.stats('quota')).toMatchObject({ free: 2, held: 4 });
   });
 
   it('maxHoldsPerOwner: holds stop counting once released, expired or confirmed, and only once', async () => {
@@ -375,7 +374,7 @@ describe('reservations', () => {
     // the late confirm each end the reservation, and its 2 holds must come off once, not twice.
     const expiring = await reserve('quota-back', { owner, count: 2, ttlMs: 1000 });
     // The sweeper has run once the 2 items are free again (a read says "expired" as soon as the time is up).
-    await eventually(async () => (await stats('quota-back')).free === 8, 4000);
+    await eventually(async () => (await api.stats('quota-back')).free === 8, 4000);
     const other = await reserve('quota-back', { owner, count: 1 });
     expect(other.status).toBe(201);
     // Its items were free again: confirm one that the reserve just now did not take.
@@ -387,7 +386,7 @@ describe('reservations', () => {
     expect((await reserve('quota-back', { owner, count: 3 })).status).toBe(429);
     const two = await reserve('quota-back', { owner, count: 2 });
     expect(two.status).toBe(201);
-    expect(await stats('quota-back')).toMatchObject({ free: 4, held: 3, allocated: 1 });
+    expect(await api.stats('quota-back')).toMatchObject({ free: 4, held: 3, allocated: 1 });
   });
 
   it('filters: by attributes, by value prefix, and both', async () => {
@@ -407,7 +406,7 @@ describe('reservations', () => {
     const none = await reserve('filters', { owner: 'd', count: 2, filter: { attributes: { city: 'sh' } } });
     expect(none.status).toBe(409);
     expect(none.body.error.code).toBe('POOL_EXHAUSTED');
-    expect(await stats('filters')).toMatchObject({ free: 1, held: 3 });
+    expect(await api.stats('filters')).toMatchObject({ free: 1, held: 3 });
   });
 
   /** A pool of n items valued `<prefix><i in 7 digits>`, item i with the attributes `attributesOf(i)`. */
@@ -458,13 +457,13 @@ describe('reservations', () => {
     expect(range.status).toBe(201);
     expect(range.body.items.map((item: { value: string }) => item.value).sort()).toEqual([147, 148, 149].map(value));
     expect((await reserve('walk-range', { owner: 'o', count: 1, filter })).body.error.code).toBe('POOL_EXHAUSTED');
-    expect(await stats('walk-range')).toMatchObject({ free: 397, held: 3 });
+    expect(await api.stats('walk-range')).toMatchObject({ free: 397, held: 3 });
 
     // An attribute of 20 items, 10 of them under the same prefix, 7 of those free (147-149 are held above):
     // asking 8 takes and gives back 7.
     const small = { attributes: { d: 'w' }, valuePrefix: '139' };
     expect((await reserve('walk-range', { owner: 'o', count: 8, filter: small })).body.error.code).toBe('POOL_EXHAUSTED');
-    expect(await stats('walk-range')).toMatchObject({ free: 397, held: 3 });
+    expect(await api.stats('walk-range')).toMatchObject({ free: 397, held: 3 });
     const seven = await reserve('walk-range', { owner: 'o', count: 7, filter: small });
     expect(seven.status).toBe(201);
     expect(seven.body.items.map((item: { value: string }) => item.value).sort()).toEqual(upTo(7).map((i) => value(140 + i)));
@@ -545,7 +544,7 @@ describe('reservations', () => {
       expect(answer.status).toBe(400);
       expect(answer.body.error.code).toBe('VALIDATION_FAILED');
     }
-    expect(await stats('strict')).toEqual({ total: 3, free: 2, held: 1, allocated: 0 });
+    expect(await api.stats('strict')).toEqual({ total: 3, free: 2, held: 1, allocated: 0 });
     expect((await api.get(`/v1/reservations/${r.body.id}`)).body.state).toBe('held');
   });
 

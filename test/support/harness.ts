@@ -41,6 +41,8 @@ export class TestInstance {
   get = <T = any>(path: string) => this.request<T>('GET', path);
   post = <T = any>(path: string, body: unknown = {}, headers?: Record<string, string>) => this.request<T>('POST', path, body, headers);
   del = <T = any>(path: string) => this.request<T>('DELETE', path);
+  /** The pool's item counts by state, as GET /v1/pools/{pool} gives them. */
+  stats = async (pool: string) => (await this.get(`/v1/pools/${pool}`)).body.stats;
 
   async close(): Promise<void> {
     await this.app.close();

@@ -24,18 +24,11 @@ end
 return { held, redis.call('ZRANGE', base .. 'free', 0, -1), lost }`;
 
 /**
- * Live holds of the pool whose key base is `base`: item id -> reservation ids holding it; the free item ids; and
+ * Live holds of the pool whose key base is `base`: item id -> the reservation holding it; the free item ids; and
  * "<item> <reservation> <its holder>" for each item that a reservation still due lists and does not hold.
  */
-export async function holdSnapshot(
-  redis: Redis,
-  base: string,
-): Promise<{ holders: Map<string, string[]>; free: string[]; lost: string[] }> {
+export async function holdSnapshot(redis: Redis, base: string): Promise<{ holders: Map<string, string>; free: string[]; lost: string[] }> {
   const [held, free, lost] = (await redis.eval(SNAPSHOT, 0, base)) as [string[], string[], string[]];
-  const holders = new Map<string, string[]>();
-  for (const entry of held) {
-    const [id, rid] = entry.split(' ');
-    holders.set(id, [...(holders.get(id) ?? []), rid]);
-  }
+  const holders = new Map(held.map((entry) => entry.split(' ') as [string, string]));
   return { holders, free: free.map((m) => m.slice(m.lastIndexOf('\0') + 1)), lost };
 }
