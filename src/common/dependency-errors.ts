@@ -38,10 +38,16 @@ export function endpoint(url: URL, defaultPort: number): { host: string; port: s
   return { host: url.hostname, port: url.port || String(defaultPort) };
 }
 
-/** The StartupError for `dependency` at `url`. */
+/**
+ * The StartupError for `dependency` at `url`. When the server answered (a Postgres SQLSTATE, a Redis error reply:
+ * a wrong password, a role that may not log in), it "refused the connection"; otherwise it "cannot be reached".
+ */
 export function unreachable(dependency: string, url: URL, defaultPort: number, cause: unknown, why = ''): StartupError {
   const { host, port } = endpoint(url, defaultPort);
-  return new StartupError(`${dependency} at ${host}:${port} cannot be reached${why ? ` ${why}` : ''}: ${reasonOf(cause)}`);
+  const e = cause as { code?: unknown; name?: unknown } | null;
+  const answered = (typeof e?.code === 'string' && SQLSTATE.test(e.code)) || e?.name === 'ReplyError';
+  const what = answered ? 'refused the connection' : 'cannot be reached';
+  return new StartupError(`${dependency} at ${host}:${port} ${what}${why ? ` ${why}` : ''}: ${reasonOf(cause)}`);
 }
 
 /**

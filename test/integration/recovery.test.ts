@@ -292,6 +292,33 @@ describe('recovery: Redis wiped or down, Postgres down, an instance gone', () =>
     await expect(noRedis).rejects.not.toThrow(/S3cret/);
   });
 
+  it('says a dependency refused the connection when it answered: a role that may not log in, a wrong Redis password', async () => {
+    const role = `respool_nologin_${process.pid}`;
+    await world.query(`CREATE ROLE ${role} NOLOGIN`);
+    try {
+      const url = new URL(world.config().DATABASE_URL);
+      url.username = role;
+      await expect(createApp(world.config({ DATABASE_URL: url.toString() }), { logger: false })).rejects.toThrow(
+        new RegExp(`^Postgres at 127\\.0\\.0\\.1:${url.port || 5432} refused the connection: role "${role}" is not permitted to log in`),
+      );
+    } finally {
+      await world.query(`DROP ROLE ${role}`);
+    }
+    const locked = await OwnRedis.start();
+    try {
+      const admin = locked.client();
+      await admin.config('SET', 'requirepass', 'right');
+      admin.disconnect();
+      const wrong = new URL(locked.url);
+      wrong.password = 'wrong';
+      await expect(createApp(world.config({ REDIS_URL: wrong.toString() }), { logger: false })).rejects.toThrow(
+        new RegExp(`^Redis at 127\\.0\\.0\\.1:${locked.port} refused the connection: WRONGPASS`),
+      );
+    } finally {
+      await locked.stop();
+    }
+  });
+
   it('refuses to start when Redis may evict keys', async () => {
     const evicting = await OwnRedis.start(['--maxmemory-policy', 'allkeys-lru']);
     try {

@@ -68,4 +68,15 @@ describe('dependency outages', () => {
       'Redis at h:7000 cannot be reached: ETIMEDOUT',
     );
   });
+
+  it('says a dependency refused the connection when it answered (a SQLSTATE, a Redis error reply)', () => {
+    const role = Object.assign(new Error('role "ro" is not permitted to log in'), { code: '28000' });
+    expect(unreachable('Postgres', new URL('postgres://ro@db/x'), 5432, role).message).toBe(
+      'Postgres at db:5432 refused the connection: role "ro" is not permitted to log in',
+    );
+    const wrongPass = Object.assign(new Error('WRONGPASS invalid username-password pair'), { name: 'ReplyError' });
+    expect(unreachable('Redis', new URL('redis://:pw@r'), 6379, wrongPass).message).toBe(
+      'Redis at r:6379 refused the connection: WRONGPASS invalid username-password pair',
+    );
+  });
 });
