@@ -52,6 +52,7 @@ export class TasksService {
 
   async heartbeat(leaseId: string, leaseMs: number | undefined): Promise<HeartbeatResultDto> {
     const pool = await this.leasePool(leaseId);
+    await this.assertLease(pool, leaseId);
     const lease = await this.reservations.extendHold(pool, leaseId, leaseMs ?? pool.holdTtlMs);
     return { leaseId, expiresAt: new Date(lease.expiresMs).toISOString() };
   }
@@ -59,18 +60,22 @@ export class TasksService {
   async complete(leaseId: string): Promise<TaskStateDto> {
     const pool = await this.leasePool(leaseId);
     const stored = await this.holds.read(pool.name, leaseId);
+    if (stored && stored.kind !== 'l') throw notFound(leaseId);
     const resourceId = stored?.items[0]?.id;
     if (stored && resourceId) {
       const outcome = await this.committer.commit(pool, leaseId, [resourceId]);
       return { leaseId, resourceId: outcome.allocated[0].resourceId, state: 'completed' };
     }
-    // Redis no longer has the lease: answer from its Postgres commit row, if it was completed.
+    // Redis no longer has the lease: answer from its Postgres commit row, if it was completed. That row does
+    // not say whether it was a lease; one that allocated several items was not.
     const committed = await this.reservations.get(leaseId);
+    if (committed.items.length !== 1) throw notFound(leaseId);
     return { leaseId, resourceId: committed.allocated?.[0]?.resourceId ?? committed.items[0].resourceId, state: 'completed' };
   }
 
   async abandon(leaseId: string): Promise<TaskStateDto> {
     const pool = await this.leasePool(leaseId);
+    await this.assertLease(pool, leaseId);
     const lease = await this.reservations.releaseHold(pool, leaseId);
     return { leaseId, resourceId: lease.items[0].id, state: 'abandoned' };
   }
@@ -81,6 +86,15 @@ export class TasksService {
       throw DomainError.validation([{ field: 'pool', reason: `pool "${name}" is of kind "${pool.kind}", not "task"` }]);
     }
     return pool;
+  }
+
+  /**
+   * A reservation made through /reservations on a task pool (of any count) is no lease: the task routes
+   * answer 404 for it, as for an unknown id. A record's kind never changes, so reading it first is safe.
+   */
+  private async assertLease(pool: PoolEntity, leaseId: string): Promise<void> {
+    const stored = await this.holds.read(pool.name, leaseId);
+    if (stored && stored.kind !== 'l') throw notFound(leaseId);
   }
 
   /** The task pool of a lease id; a reservation of a number pool is no lease (404, as an unknown id). */

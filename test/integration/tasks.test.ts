@@ -125,6 +125,23 @@ describe('review tasks', () => {
     expect((await a.get('/v1/pools/numbers-only')).body.stats).toEqual({ total: 2, free: 0, held: 2, allocated: 0 });
   });
 
+  it('a reservation made through /reservations on a task pool is no lease: the task calls answer 404 and change nothing', async () => {
+    await taskPool('mixed', [{ value: 'task-1' }, { value: 'task-2' }, { value: 'task-3' }]);
+    const r = await a.post('/v1/pools/mixed/reservations', { owner: 'rv', count: 2 });
+    expect(r.status).toBe(201);
+    for (const path of ['heartbeat', 'complete', 'abandon']) {
+      const answer = await a.post(`/v1/tasks/${r.body.id}/${path}`, {});
+      expect(answer.status, path).toBe(404);
+      expect(answer.body.error.code).toBe('RESERVATION_NOT_FOUND');
+    }
+    const after = await a.get(`/v1/reservations/${r.body.id}`);
+    expect(after.body).toMatchObject({ state: 'held', expiresAt: r.body.expiresAt });
+    expect((await a.get('/v1/pools/mixed')).body.stats).toEqual({ total: 3, free: 1, held: 2, allocated: 0 });
+    // A lease of the same pool is served as before.
+    const lease = await next(a, 'mixed', 'r-1');
+    expect((await a.post(`/v1/tasks/${lease.body.leaseId}/complete`, {})).body).toMatchObject({ state: 'completed' });
+  });
+
   it('complete and abandon take no body: a field is refused like any unknown one, and changes nothing', async () => {
     await taskPool('no-body', [{ value: 'task-1' }]);
     const lease = await next(a, 'no-body', 'r-1');
