@@ -13,7 +13,7 @@ export type DtoClass = new () => object;
  *
  * - `build(plain)` makes the instance `plainToInstance(cls, plain)` makes from a JSON value: a `cls`
  *   instance with the plain keys copied (`__proto__` and `constructor` skipped, as class-transformer
- *   does, like any key naming a function of the instance, such as `toString`), nested objects and arrays
+ *   does, like any key naming a function of the instance, such as `toString`; the caller refuses them), nested objects and arrays
  *   copied, `@Type` properties built as instances of their class. One difference: inside a plain record
  *   (`attributes`) every key is data, where class-transformer throws a TypeError on "constructor" and
  *   drops "toString" and its kind.
@@ -30,7 +30,8 @@ export type DtoClass = new () => object;
  * libraries on every DTO, over valid and invalid values alike.
  */
 export interface CompiledDto {
-  build(plain: object): object;
+  /** `skipped` collects the fields (as `items.0.toString`) of the keys build leaves out, to refuse them. */
+  build(plain: object, skipped?: string[]): object;
   passes(instance: object): boolean;
 }
 
@@ -64,7 +65,7 @@ const dtos = new Map<DtoClass, CompiledDto | undefined>();
 export function compileDto(cls: DtoClass): CompiledDto | undefined {
   if (!dtos.has(cls)) {
     const rule = ruleOf(cls);
-    dtos.set(cls, rule ? { build: (plain) => build(cls, rule, plain), passes } : undefined);
+    dtos.set(cls, rule ? { build: (plain, skipped) => build(cls, rule, plain, skipped, ''), passes } : undefined);
   }
   return dtos.get(cls);
 }
@@ -222,23 +223,30 @@ function nestedPasses(value: unknown): boolean {
   return value instanceof Object && passes(value);
 }
 
-/** plainToInstance for a JSON value whose class has a rule. */
-function build(cls: DtoClass, rule: ClassRule, plain: object): object {
+/**
+ * plainToInstance for a JSON value whose class has a rule. A key naming a function of the instance
+ * (toString, hasOwnProperty...) is skipped, as class-transformer skips it, so validation never sees it:
+ * its field goes to `skipped`, for the caller to refuse like any unknown field.
+ */
+function build(cls: DtoClass, rule: ClassRule, plain: object, skipped: string[] | undefined, path: string): object {
   const instance = new cls() as Record<string, unknown>;
   for (const key of Object.keys(plain)) {
-    // As class-transformer: a key naming a function of the instance (toString, hasOwnProperty...) is skipped.
-    if (key === '__proto__' || key === 'constructor' || instance[key] instanceof Function) continue;
+    const field = path ? `${path}.${key}` : key;
+    if (key === '__proto__' || key === 'constructor' || instance[key] instanceof Function) {
+      skipped?.push(field);
+      continue;
+    }
     const value = (plain as Record<string, unknown>)[key];
     const type = rule.types.get(key);
-    instance[key] = type ? buildTyped(type, value) : copy(value);
+    instance[key] = type ? buildTyped(type, value, skipped, field) : copy(value);
   }
   return instance;
 }
 
-function buildTyped(type: DtoClass, value: unknown): unknown {
-  if (Array.isArray(value)) return value.map((element) => buildTyped(type, element));
+function buildTyped(type: DtoClass, value: unknown, skipped: string[] | undefined, path: string): unknown {
+  if (Array.isArray(value)) return value.map((element, i) => buildTyped(type, element, skipped, `${path}.${i}`));
   if (value === null || typeof value !== 'object') return value;
-  return build(type, compiled.get(type)!, value);
+  return build(type, compiled.get(type)!, value, skipped, path);
 }
 
 /**

@@ -44,6 +44,28 @@ export function malformedStrings(value: unknown, field = '', out: FieldError[] =
   return out;
 }
 
+/** How deep a body may nest objects and arrays: no DTO needs more than 4 levels; the walks over a body recurse. */
+export const MAX_BODY_DEPTH = 32;
+
+/** True when a JSON value nests objects or arrays more than `limit` levels deep (iteratively: any depth is safe). */
+export function nestedDeeperThan(value: unknown, limit: number): boolean {
+  const values: unknown[] = [value];
+  const depths: number[] = [1];
+  while (values.length > 0) {
+    const next = values.pop();
+    const depth = depths.pop()!;
+    if (next === null || typeof next !== 'object') continue;
+    if (depth > limit) return true;
+    for (const inner of Array.isArray(next) ? next : Object.values(next)) {
+      if (inner !== null && typeof inner === 'object') {
+        values.push(inner);
+        depths.push(depth + 1);
+      }
+    }
+  }
+  return false;
+}
+
 export const VALIDATOR_OPTIONS: ValidatorOptions = { whitelist: true, forbidNonWhitelisted: true, forbidUnknownValues: true };
 const UNVALIDATED = new Set<unknown>([String, Number, Boolean, Array, Object]);
 
@@ -67,12 +89,19 @@ export class DtoValidationPipe implements PipeTransform {
     if (typeof plain !== 'object' || Array.isArray(plain)) {
       throw DomainError.validation([{ field: type, reason: `the ${type} must be a JSON object` }]);
     }
+    if (nestedDeeperThan(plain, MAX_BODY_DEPTH)) {
+      throw DomainError.validation([
+        { field: type, reason: `the ${type} nests objects or arrays more than ${MAX_BODY_DEPTH} levels deep` },
+      ]);
+    }
     const cls = metatype as DtoClass;
     const dto = compileDto(cls);
-    const instance = dto ? dto.build(plain) : plainToInstance(cls, plain);
+    const skipped: string[] = [];
+    const instance = dto ? dto.build(plain, skipped) : plainToInstance(cls, plain);
     const malformed = malformedStrings(plain);
-    if (malformed.length === 0 && dto?.passes(instance)) return instance;
-    const errors = [...flattenValidationErrors(validateSync(instance, VALIDATOR_OPTIONS)), ...malformed];
+    if (malformed.length === 0 && skipped.length === 0 && dto?.passes(instance)) return instance;
+    const unknown = skipped.map((field) => ({ field, reason: `property ${field.slice(field.lastIndexOf('.') + 1)} should not exist` }));
+    const errors = [...flattenValidationErrors(validateSync(instance, VALIDATOR_OPTIONS)), ...unknown, ...malformed];
     if (errors.length > 0) throw DomainError.validation(errors);
     return instance;
   }

@@ -37,6 +37,59 @@ describe('API.md edges', () => {
     expect((await api.get('/v1/pools/long-owner')).body.stats).toEqual({ total: 2, free: 2, held: 0, allocated: 0 });
   });
 
+  it('a body nested thousands of levels deep is 400 VALIDATION_FAILED (was a 500: the copy recursed past the stack) and changes nothing', async () => {
+    await seedPool(api, 'deep', numbers(2));
+    const deep = (depth: number) => '['.repeat(depth) + ']'.repeat(depth);
+    const bodies: [string, string][] = [
+      ['/v1/pools/deep/reservations', `{"owner":"deep","filter":{"attributes":${deep(5000)}}}`],
+      ['/v1/pools', `{"name":"deeper","kind":"number","x":${deep(5000)}}`],
+      ['/v1/pools/deep/resources', `{"items":[{"value":"13900000001","attributes":${deep(5000)}}]}`],
+    ];
+    for (const [path, body] of bodies) {
+      const answer = await api.post(path, body);
+      expect(answer.status, path).toBe(400);
+      expect(answer.body.error.code).toBe('VALIDATION_FAILED');
+      expect(answer.body.error.details.fields).toEqual([{ field: 'body', reason: expect.stringMatching(/more than 32 levels deep/) }]);
+    }
+    // A filter as deep as the limit is judged on its fields, as before.
+    const shallow = await api.post('/v1/pools/deep/reservations', `{"owner":"deep","filter":{"attributes":{"city":${deep(29)}}}}`);
+    expect(shallow.status).toBe(400);
+    expect(shallow.body.error.details.fields.map((f: { field: string }) => f.field)).toEqual(['filter.attributes']);
+    expect(await api.stats('deep')).toEqual({ total: 2, free: 2, held: 0, allocated: 0 });
+    expect((await api.get('/v1/pools/deeper')).status).toBe(404);
+  });
+
+  it('an unknown field named like a function every object has (toString, constructor, valueOf) is refused like any unknown field, at any level', async () => {
+    await seedPool(api, 'proto-names', numbers(2));
+    const reservation = await api.post('/v1/pools/proto-names/reservations', { owner: 'u', count: 1 });
+    expect(reservation.status).toBe(201);
+    const cases: [string, unknown, string[]][] = [
+      ['/v1/pools', { name: 'q-tostring', kind: 'number', toString: 1 }, ['toString']],
+      ['/v1/pools/proto-names/reservations', { owner: 'u', constructor: { x: 1 }, valueOf: 'y' }, ['constructor', 'valueOf']],
+      ['/v1/pools/proto-names/reservations', { owner: 'u', filter: { hasOwnProperty: 1 } }, ['filter.hasOwnProperty']],
+      [
+        '/v1/pools/proto-names/resources',
+        { items: [{ value: 'zz1', constructor: 1, isPrototypeOf: 2 }] },
+        ['items.0.constructor', 'items.0.isPrototypeOf'],
+      ],
+      [`/v1/reservations/${reservation.body.id}/extend`, { ttlMs: 5000, valueOf: 'junk' }, ['valueOf']],
+    ];
+    for (const [path, body, fields] of cases) {
+      const answer = await api.post(path, body);
+      expect(answer.status, `${path} ${JSON.stringify(body)}`).toBe(400);
+      expect(answer.body.error.code).toBe('VALIDATION_FAILED');
+      expect(answer.body.error.details.fields.map((f: { field: string }) => f.field)).toEqual(fields);
+    }
+    // Inside attributes every key is data, as before.
+    const imported = await api.post('/v1/pools/proto-names/resources', {
+      items: [{ value: 'zz2', attributes: { constructor: 'c', toString: 't' } }],
+    });
+    expect(imported.body).toEqual({ inserted: 1, duplicates: 0 });
+    expect(await api.stats('proto-names')).toEqual({ total: 3, free: 2, held: 1, allocated: 0 });
+    expect((await api.get(`/v1/reservations/${reservation.body.id}`)).body.expiresAt).toBe(reservation.body.expiresAt);
+    expect((await api.get('/v1/pools/q-tostring')).status).toBe(404);
+  });
+
   it('DELETE /v1/reservations/{id} sent with Content-Type: application/json and no body releases it (200, state released), as without the header', async () => {
     await seedPool(api, 'del-ct', numbers(2));
     const r = await api.post('/v1/pools/del-ct/reservations', { owner: 'u', count: 2 });
