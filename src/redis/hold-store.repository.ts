@@ -212,11 +212,12 @@ export class HoldStore implements OnApplicationShutdown {
       );
     } catch (err) {
       // A reserve that got no answer in time may still run in Redis, and the caller is answered 503
-      // (nothing changed). Without an Idempotency-Key nobody can ever reach what it would hold (its id
-      // was never answered): it is released at once, after it (Redis runs one connection's commands in
-      // order, and none is re-sent after a reconnect). With a key, the caller's retry with the same key
-      // is answered with that reservation if it was made.
-      if (req.idempotencyKey === undefined && timedOut(err)) await this.release(pool, req.reservationId).catch(() => undefined);
+      // (nothing changed): it is released at once, after it (Redis runs one connection's commands in
+      // order, and none is re-sent after a reconnect), and its Idempotency-Key, if it names it, is
+      // forgotten, so that a retry with the key makes a new reservation rather than replay a released one.
+      // Should that release never reach Redis (the connection lost), the reservation stays held until it
+      // expires, and a retry with the key is answered with it.
+      if (timedOut(err)) await this.release(pool, req.reservationId, undefined, req.idempotencyKey).catch(() => undefined);
       throw err;
     }
     switch (reply[0]) {
@@ -276,8 +277,9 @@ export class HoldStore implements OnApplicationShutdown {
   }
 
   /** `abortedEpoch`: the reservation's commit epoch, which Postgres has recorded as given up. */
-  async release(pool: string, reservationId: string, abortedEpoch?: number): Promise<ReleaseResult> {
-    const reply = await this.run<string[]>('release', pool, reservationId, this.retentionMs, abortedEpoch ?? '');
+  /** `forgetKey`: an Idempotency-Key to drop if it names this reservation (undoing a reserve that timed out). */
+  async release(pool: string, reservationId: string, abortedEpoch?: number, forgetKey?: string): Promise<ReleaseResult> {
+    const reply = await this.run<string[]>('release', pool, reservationId, this.retentionMs, abortedEpoch ?? '', forgetKey ?? '');
     if (reply[0] === 'released' || reply[0] === 'confirmed') return { status: reply[0], reservation: parseReservation(reply) };
     if (reply[0] === 'undecided') return { status: 'undecided', epoch: Number(reply[1]) };
     return { status: reply[0] as 'busy' | 'missing' };

@@ -98,15 +98,42 @@ describe('a reserve that got no answer in time', () => {
     expect(value.body.items).toHaveLength(1);
   });
 
-  it('with an Idempotency-Key is answered 503, and its retry with the same key gets the reservation it made', async () => {
-    await seedPool(api, 'slow-keyed', numbers(2));
+  it('with an Idempotency-Key is answered 503 and holds nothing either; its retry with the same key makes a new reservation', async () => {
+    await seedPool(api, 'slow-keyed', numbers(2), { maxHoldsPerOwner: 1 });
     const body = { owner: 'buyer', count: 1, ttlMs: 600_000 };
     const headers = { 'idempotency-key': 'order-7' };
     const r = await whileRedisBusy(700, () => api.post('/v1/pools/slow-keyed/reservations', body, headers));
     expect(r.status).toBe(503);
+    expect(r.body.error.message).toMatch(/nothing was changed/);
+    // The reserve ran in Redis after all, and the release sent after it: nothing is held, though the caller
+    // may never send the call again.
+    await eventually(async () => (await api.stats('slow-keyed')).held === 0, 2000);
+    expect(await api.stats('slow-keyed')).toEqual({ total: 2, free: 2, held: 0, allocated: 0 });
+    // The key was forgotten with it: a retry is a new reservation (not a replay of a released one), within
+    // the owner's quota of 1, and the retry's retry replays that.
     const retry = await api.post('/v1/pools/slow-keyed/reservations', body, headers);
-    expect(retry.status).toBe(200);
+    expect(retry.status).toBe(201);
     expect(retry.body.state).toBe('held');
-    expect((await api.get('/v1/pools/slow-keyed')).body.stats).toEqual({ total: 2, free: 1, held: 1, allocated: 0 });
+    const again = await api.post('/v1/pools/slow-keyed/reservations', body, headers);
+    expect(again.status).toBe(200);
+    expect(again.body.id).toBe(retry.body.id);
+    expect(await api.stats('slow-keyed')).toEqual({ total: 2, free: 1, held: 1, allocated: 0 });
+  });
+
+  it("undoing a keyed reserve forgets the key only if it names that reservation: another call's key is kept", async () => {
+    await seedPool(api, 'keyed-other', numbers(2));
+    const body = { owner: 'buyer', count: 1 };
+    const headers = { 'idempotency-key': 'order-8' };
+    const first = await api.post('/v1/pools/keyed-other/reservations', body, headers);
+    expect(first.status).toBe(201);
+    // The same key again while Redis is busy: the reserve replays the first (it makes nothing new), times out,
+    // and the release sent after it names another id, so it changes nothing and keeps the key.
+    const r = await whileRedisBusy(700, () => api.post('/v1/pools/keyed-other/reservations', body, headers));
+    expect(r.status).toBe(503);
+    await sleep(300);
+    const replay = await api.post('/v1/pools/keyed-other/reservations', body, headers);
+    expect(replay.status).toBe(200);
+    expect(replay.body).toMatchObject({ id: first.body.id, state: 'held' });
+    expect(await api.stats('keyed-other')).toEqual({ total: 2, free: 1, held: 1, allocated: 0 });
   });
 });

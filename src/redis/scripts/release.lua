@@ -2,11 +2,17 @@
 -- free index at once. Idempotent.
 -- A reservation that once started a commit (it has an epoch) is released only once Postgres has
 -- recorded that epoch as given up (ARGV 4 = the epoch so decided): its commit may have landed unseen.
--- ARGV: 1 base, 2 rid, 3 retention ms, 4 epoch decided 'abort' in Postgres ("" = none)
+-- ARGV: 1 base, 2 rid, 3 retention ms, 4 epoch decided 'abort' in Postgres ("" = none), 5 an Idempotency-Key to
+--       forget if it names this reservation ("" = none: the undoing of a keyed reserve whose answer timed out)
 -- Returns: {"released", ...reservation} | {"confirmed", ...reservation} | {"busy"} (a confirm is committing)
 --          | {"undecided", epoch} | {"missing"}
-local base, rid, retention, decided = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
+local base, rid, retention, decided, idem_key = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4], ARGV[5]
 local rkey = base .. 'r:' .. rid
+if idem_key ~= '' then
+  local ikey = base .. 'idem:' .. idem_key
+  local named = redis.call('GET', ikey)
+  if named and string.sub(named, 1, #rid + 1) == rid .. '\n' then redis.call('DEL', ikey) end
+end
 local r = read_reservation(rkey)
 local now = now_ms()
 if not r then return { 'missing' } end
