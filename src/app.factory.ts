@@ -9,6 +9,7 @@ import type { Redis } from 'ioredis';
 import { AppModule } from './app.module.js';
 import { createValidationPipe } from './common/validation.js';
 import { addValidationLimits } from './common/openapi-limits.js';
+import { addBodyLimitResponses } from './common/api-errors.decorator.js';
 import { createPino, PinoLoggerService } from './common/logger.js';
 import { DomainError, errorBody, ErrorCode, HTTP_STATUS } from './common/errors.js';
 import { MAX_PARAM_LENGTH, clientErrorResponse, mapError } from './common/http-errors.js';
@@ -46,7 +47,7 @@ export function buildOpenApi(app: NestFastifyApplication) {
     )
     .setVersion(API_VERSION)
     .build();
-  return addValidationLimits(SwaggerModule.createDocument(app, config));
+  return addBodyLimitResponses(addValidationLimits(SwaggerModule.createDocument(app, config)));
 }
 
 /**

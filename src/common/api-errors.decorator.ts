@@ -1,5 +1,6 @@
 import { applyDecorators } from '@nestjs/common';
 import { ApiExtraModels, ApiProperty, ApiResponse, getSchemaPath } from '@nestjs/swagger';
+import type { OpenAPIObject } from '@nestjs/swagger';
 import { ErrorCode, HTTP_STATUS } from './errors.js';
 
 export class ErrorDetailDto {
@@ -10,10 +11,31 @@ export class ErrorDetailDto {
   message: string;
 
   @ApiProperty({
-    description:
-      'Structured context; for VALIDATION_FAILED, `fields` lists each bad field and why; for HOLD_LOST and HOLD_EXPIRED, ' +
-      "`receivedAt` is when the instance received the request (ISO 8601, its own clock), to compare with the hold's `expiresAt`",
+    description: 'Structured context: the two fields below where they apply, and whatever else an error names (ids, limits)',
     type: 'object',
+    properties: {
+      fields: {
+        type: 'array',
+        description: 'VALIDATION_FAILED: each bad field and why',
+        items: {
+          type: 'object',
+          required: ['field', 'reason'],
+          properties: {
+            field: {
+              type: 'string',
+              description: 'The field, as a path into the body (`items.0.value`), or `body`, `query`, `path`, `request`',
+            },
+            reason: { type: 'string', description: 'Why it was refused' },
+          },
+        },
+      },
+      receivedAt: {
+        type: 'string',
+        format: 'date-time',
+        description:
+          "HOLD_LOST and HOLD_EXPIRED: when the instance received the request (its own clock), to compare with the hold's `expiresAt`",
+      },
+    },
     additionalProperties: true,
   })
   details: Record<string, unknown>;
@@ -27,7 +49,10 @@ export class ErrorResponseDto {
 /** Documents the error answers of a route, grouped by status, each with the API's error body. */
 export function ApiErrors(...codes: ErrorCode[]): MethodDecorator & ClassDecorator {
   const byStatus = new Map<number, ErrorCode[]>();
-  for (const code of [...codes, ErrorCode.DEPENDENCY_UNAVAILABLE, ErrorCode.RATE_LIMITED]) {
+  // Every route refuses a query string or a bad path with VALIDATION_FAILED, and may find a dependency down, or
+  // rate limit. (A body over the limit: see addBodyLimitResponses.)
+  const all = new Set([...codes, ErrorCode.VALIDATION_FAILED, ErrorCode.DEPENDENCY_UNAVAILABLE, ErrorCode.RATE_LIMITED]);
+  for (const code of all) {
     const status = HTTP_STATUS[code];
     byStatus.set(status, [...(byStatus.get(status) ?? []), code]);
   }
@@ -37,4 +62,24 @@ export function ApiErrors(...codes: ErrorCode[]): MethodDecorator & ClassDecorat
       ApiResponse({ status, description: list.join(', '), schema: { $ref: getSchemaPath(ErrorResponseDto) } }),
     ),
   );
+}
+
+/**
+ * Every route whose method carries a body (all but GET and HEAD, whose bodies Fastify ignores) answers a body
+ * over BODY_LIMIT_BYTES with 413 PAYLOAD_TOO_LARGE, whether it takes a body or not: written into the document
+ * for each such operation that does not list it yet.
+ */
+export function addBodyLimitResponses(document: OpenAPIObject): OpenAPIObject {
+  const status = String(HTTP_STATUS[ErrorCode.PAYLOAD_TOO_LARGE]);
+  for (const methods of Object.values(document.paths)) {
+    for (const method of ['post', 'put', 'patch', 'delete'] as const) {
+      const operation = methods[method];
+      if (!operation || operation.responses[status]) continue;
+      operation.responses[status] = {
+        description: ErrorCode.PAYLOAD_TOO_LARGE,
+        content: { 'application/json': { schema: { $ref: getSchemaPath(ErrorResponseDto) } } },
+      };
+    }
+  }
+  return document;
 }

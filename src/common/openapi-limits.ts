@@ -1,7 +1,7 @@
 import type { OpenAPIObject } from '@nestjs/swagger';
 import { getMetadataStorage, ValidationTypes } from 'class-validator';
 import type { ValidationMetadata } from 'class-validator/types/metadata/ValidationMetadata.js';
-import { MAX_ATTRIBUTES, MAX_ATTRIBUTE_VALUE, RESOURCE_ID } from './validators.js';
+import { MAX_ATTRIBUTES, MAX_ATTRIBUTE_KEY, MAX_ATTRIBUTE_VALUE, RESOURCE_ID } from './validators.js';
 
 type Schema = Record<string, unknown>;
 
@@ -20,6 +20,7 @@ const LIMITS: Record<string, (constraints: unknown[]) => Schema> = {
   isFlatStringRecord: () => ({
     type: 'object',
     maxProperties: MAX_ATTRIBUTES,
+    propertyNames: { minLength: 1, maxLength: MAX_ATTRIBUTE_KEY },
     additionalProperties: { type: 'string', maxLength: MAX_ATTRIBUTE_VALUE },
   }),
 };
@@ -40,6 +41,8 @@ export function addValidationLimits(document: OpenAPIObject): OpenAPIObject {
     if (typeof target !== 'function') continue;
     const properties = schemas[target.name]?.properties as Record<string, Schema> | undefined;
     if (!properties) continue;
+    // A validated body refuses fields it does not name (DtoValidationPipe).
+    schemas[target.name].additionalProperties = false;
     for (const metadata of storage.getTargetValidationMetadatas(target, '', true, false)) {
       const property = properties[metadata.propertyName];
       const limit = metadata.type === ValidationTypes.CUSTOM_VALIDATION && metadata.name ? LIMITS[metadata.name] : undefined;

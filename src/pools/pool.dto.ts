@@ -79,13 +79,13 @@ export class PoolDto {
   @ApiProperty({ description: 'Pool kind', enum: POOL_KINDS })
   kind: PoolKind;
 
-  @ApiProperty({ description: 'Default hold time, ms' })
+  @ApiProperty({ type: 'integer', description: 'Default hold time, ms' })
   holdTtlMs: number;
 
-  @ApiProperty({ description: 'Longest hold a caller may ask for, ms' })
+  @ApiProperty({ type: 'integer', description: 'Longest hold a caller may ask for, ms' })
   maxHoldTtlMs: number;
 
-  @ApiProperty({ description: 'Most items one owner may hold at once; null = no limit', nullable: true, type: Number })
+  @ApiProperty({ description: 'Most items one owner may hold at once; null = no limit', nullable: true, type: 'integer' })
   maxHoldsPerOwner: number | null;
 
   @ApiProperty({ description: 'When the pool was created (ISO-8601 UTC)', format: 'date-time' })
@@ -93,16 +93,16 @@ export class PoolDto {
 }
 
 export class PoolStatsDto {
-  @ApiProperty({ description: 'Items in the pool' })
+  @ApiProperty({ type: 'integer', description: 'Items in the pool' })
   total: number;
 
-  @ApiProperty({ description: 'Items that can be reserved now' })
+  @ApiProperty({ type: 'integer', description: 'Items that can be reserved now' })
   free: number;
 
-  @ApiProperty({ description: 'Items under a hold (a live reservation or lease, or an expired one not yet swept)' })
+  @ApiProperty({ type: 'integer', description: 'Items under a hold (a live reservation or lease, or an expired one not yet swept)' })
   held: number;
 
-  @ApiProperty({ description: 'Items allocated to an owner' })
+  @ApiProperty({ type: 'integer', description: 'Items allocated to an owner' })
   allocated: number;
 }
 
@@ -146,10 +146,10 @@ export class ImportResourcesDto {
 }
 
 export class ImportResultDto {
-  @ApiProperty({ description: 'Items added (free at once)' })
+  @ApiProperty({ type: 'integer', description: 'Items added (free at once)' })
   inserted: number;
 
-  @ApiProperty({ description: 'Items whose value was already in the pool (left unchanged)' })
+  @ApiProperty({ type: 'integer', description: 'Items whose value was already in the pool (left unchanged)' })
   duplicates: number;
 }
 
@@ -168,7 +168,7 @@ export class ResourceDto {
   @ApiProperty({ description: 'free, held (under a live hold) or allocated', enum: RESOURCE_STATES })
   state: (typeof RESOURCE_STATES)[number];
 
-  @ApiProperty({ description: 'Row version: incremented by every allocation and release (the fencing token)' })
+  @ApiProperty({ type: 'integer', description: 'Row version: incremented by every allocation and release (the fencing token)' })
   version: number;
 
   @ApiProperty({ description: 'Owner the item is allocated to; null unless allocated', nullable: true, type: String })

@@ -22,7 +22,7 @@ export class PoolsController {
 
   @Post()
   @ApiOperation({ summary: 'Create a pool' })
-  @ApiCreatedResponse({ type: PoolDto })
+  @ApiCreatedResponse({ type: PoolDto, description: 'The pool created' })
   @ApiErrors(ErrorCode.VALIDATION_FAILED, ErrorCode.POOL_EXISTS, ErrorCode.PAYLOAD_TOO_LARGE)
   create(@Body() dto: CreatePoolDto): Promise<PoolDto> {
     return this.pools.create(dto);
@@ -30,7 +30,7 @@ export class PoolsController {
 
   @Get()
   @ApiOperation({ summary: 'List pools' })
-  @ApiOkResponse({ type: [PoolDto] })
+  @ApiOkResponse({ type: [PoolDto], description: 'Every pool' })
   @ApiErrors()
   list(): Promise<PoolDto[]> {
     return this.pools.list();
@@ -38,7 +38,7 @@ export class PoolsController {
 
   @Get(':pool')
   @ApiOperation({ summary: 'A pool with its item counts' })
-  @ApiOkResponse({ type: PoolWithStatsDto })
+  @ApiOkResponse({ type: PoolWithStatsDto, description: 'The pool and how many of its items are in each state' })
   @ApiErrors(ErrorCode.VALIDATION_FAILED, ErrorCode.POOL_NOT_FOUND)
   get(@Param() params: PoolParams): Promise<PoolWithStatsDto> {
     return this.pools.get(params.pool);
@@ -46,7 +46,7 @@ export class PoolsController {
 
   @Post(':pool/resources')
   @ApiOperation({ summary: 'Bulk import items (at most 10,000 a call); values already in the pool count as duplicates' })
-  @ApiCreatedResponse({ type: ImportResultDto })
+  @ApiCreatedResponse({ type: ImportResultDto, description: 'How many items were added, and how many were already there' })
   @ApiErrors(ErrorCode.VALIDATION_FAILED, ErrorCode.POOL_NOT_FOUND, ErrorCode.PAYLOAD_TOO_LARGE)
   importResources(@Param() params: PoolParams, @Body() dto: ImportResourcesDto): Promise<ImportResultDto> {
     return this.pools.importResources(params.pool, dto);
@@ -54,7 +54,7 @@ export class PoolsController {
 
   @Get(':pool/resources/:id')
   @ApiOperation({ summary: 'One item and its state' })
-  @ApiOkResponse({ type: ResourceDto })
+  @ApiOkResponse({ type: ResourceDto, description: 'The item' })
   @ApiErrors(ErrorCode.VALIDATION_FAILED, ErrorCode.POOL_NOT_FOUND, ErrorCode.RESOURCE_NOT_FOUND)
   getResource(@Param() params: ResourceParams): Promise<ResourceDto> {
     return this.pools.getResource(params.pool, params.id);
@@ -63,7 +63,7 @@ export class PoolsController {
   @Post(':pool/resources/:id/release')
   @HttpCode(200)
   @ApiOperation({ summary: 'Release an allocated item back to the pool (its version is incremented)' })
-  @ApiOkResponse({ type: ResourceDto })
+  @ApiOkResponse({ type: ResourceDto, description: 'The item, free again, its version incremented' })
   @ApiErrors(ErrorCode.VALIDATION_FAILED, ErrorCode.POOL_NOT_FOUND, ErrorCode.RESOURCE_NOT_FOUND, ErrorCode.NOT_ALLOCATED)
   release(@Param() params: ResourceParams, @Body() dto: ReleaseResourceDto): Promise<ResourceDto> {
     return this.pools.releaseResource(params.pool, params.id, dto.owner);

@@ -96,7 +96,7 @@ export class ReservationItemDto {
   @ApiProperty({ description: 'The item', example: '13800138000' })
   value: string;
 
-  @ApiProperty({ description: 'Row version the hold was taken at; confirm commits only if it is unchanged' })
+  @ApiProperty({ type: 'integer', description: 'Row version the hold was taken at; confirm commits only if it is unchanged' })
   version: number;
 
   @ApiProperty({ description: 'Attributes of the item', type: 'object', additionalProperties: { type: 'string' } })
@@ -110,7 +110,7 @@ export class AllocatedItemDto {
   @ApiProperty({ description: 'The item' })
   value: string;
 
-  @ApiProperty({ description: 'Row version after the allocation' })
+  @ApiProperty({ type: 'integer', description: 'Row version after the allocation' })
   version: number;
 }
 

@@ -43,7 +43,7 @@ export class ReservationsController {
 
   @Get('v1/reservations/:id')
   @ApiOperation({ summary: 'A reservation and its state' })
-  @ApiOkResponse({ type: ReservationDto })
+  @ApiOkResponse({ type: ReservationDto, description: 'The reservation' })
   @ApiErrors(ErrorCode.VALIDATION_FAILED, ErrorCode.RESERVATION_NOT_FOUND)
   get(@Param() params: ReservationParams): Promise<ReservationDto> {
     return this.reservations.get(params.id);
@@ -52,7 +52,7 @@ export class ReservationsController {
   @Post('v1/reservations/:id/extend')
   @HttpCode(200)
   @ApiOperation({ summary: "Extend a live hold: expiresAt = now + ttlMs, capped by the pool's maxHoldTtlMs" })
-  @ApiOkResponse({ type: ReservationDto })
+  @ApiOkResponse({ type: ReservationDto, description: 'The reservation with its new expiresAt' })
   @ApiErrors(ErrorCode.VALIDATION_FAILED, ErrorCode.RESERVATION_NOT_FOUND, ErrorCode.HOLD_EXPIRED, ErrorCode.RESERVATION_CLOSED)
   extend(@Param() params: ReservationParams, @Body() dto: ExtendDto): Promise<ReservationDto> {
     return this.reservations.extend(params.id, dto.ttlMs);
@@ -61,7 +61,7 @@ export class ReservationsController {
   @Post('v1/reservations/:id/confirm')
   @HttpCode(200)
   @ApiOperation({ summary: 'Allocate the chosen items to the owner and free the rest (idempotent)' })
-  @ApiOkResponse({ type: ConfirmResultDto })
+  @ApiOkResponse({ type: ConfirmResultDto, description: 'Confirmed (the same body for a repeat of the same confirm)' })
   @ApiErrors(
     ErrorCode.VALIDATION_FAILED,
     ErrorCode.RESERVATION_NOT_FOUND,
@@ -76,7 +76,7 @@ export class ReservationsController {
 
   @Delete('v1/reservations/:id')
   @ApiOperation({ summary: 'Release every held item of the reservation at once (idempotent)' })
-  @ApiOkResponse({ type: ReservationDto })
+  @ApiOkResponse({ type: ReservationDto, description: 'The reservation, released (also when it already was)' })
   @ApiErrors(ErrorCode.VALIDATION_FAILED, ErrorCode.RESERVATION_NOT_FOUND, ErrorCode.RESERVATION_CLOSED)
   @ApiBody(NO_BODY)
   release(@Param() params: ReservationParams, @Body(NoBodyPipe) _body: unknown): Promise<ReservationDto> {

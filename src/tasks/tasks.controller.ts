@@ -15,7 +15,7 @@ export class TasksController {
 
   @Post('v1/pools/:pool/tasks/next')
   @ApiOperation({ summary: 'Lease the next free task (a task from a group the reviewer already leases in comes first)' })
-  @ApiOkResponse({ type: TaskLeaseDto })
+  @ApiOkResponse({ type: TaskLeaseDto, description: 'The task leased' })
   @ApiNoContentResponse({ description: 'No task is free' })
   @ApiErrors(ErrorCode.VALIDATION_FAILED, ErrorCode.POOL_NOT_FOUND, ErrorCode.OWNER_QUOTA_EXCEEDED)
   async next(
@@ -32,7 +32,7 @@ export class TasksController {
   @HttpCode(200)
   @ApiOperation({ summary: 'Extend a live lease' })
   @ApiBody({ type: HeartbeatDto, required: false, description: "Optional: without a body, the lease is extended by the pool's holdTtlMs" })
-  @ApiOkResponse({ type: HeartbeatResultDto })
+  @ApiOkResponse({ type: HeartbeatResultDto, description: 'The lease with its new expiresAt' })
   @ApiErrors(ErrorCode.VALIDATION_FAILED, ErrorCode.RESERVATION_NOT_FOUND, ErrorCode.HOLD_EXPIRED, ErrorCode.RESERVATION_CLOSED)
   heartbeat(@Param() params: LeaseParams, @Body() dto: HeartbeatDto): Promise<HeartbeatResultDto> {
     return this.tasks.heartbeat(params.leaseId, dto.leaseMs);
@@ -41,7 +41,7 @@ export class TasksController {
   @Post('v1/tasks/:leaseId/complete')
   @HttpCode(200)
   @ApiOperation({ summary: 'Allocate the task to the reviewer (idempotent)' })
-  @ApiOkResponse({ type: TaskStateDto })
+  @ApiOkResponse({ type: TaskStateDto, description: 'Completed (also when it already was)' })
   @ApiErrors(ErrorCode.VALIDATION_FAILED, ErrorCode.RESERVATION_NOT_FOUND, ErrorCode.HOLD_LOST, ErrorCode.RESERVATION_CLOSED)
   @ApiBody(NO_BODY)
   complete(@Param() params: LeaseParams, @Body(NoBodyPipe) _body: unknown): Promise<TaskStateDto> {
@@ -51,7 +51,7 @@ export class TasksController {
   @Post('v1/tasks/:leaseId/abandon')
   @HttpCode(200)
   @ApiOperation({ summary: 'Give the task back: it is free again at once' })
-  @ApiOkResponse({ type: TaskStateDto })
+  @ApiOkResponse({ type: TaskStateDto, description: 'Abandoned: the task is free again' })
   @ApiErrors(ErrorCode.VALIDATION_FAILED, ErrorCode.RESERVATION_NOT_FOUND, ErrorCode.RESERVATION_CLOSED)
   @ApiBody(NO_BODY)
   abandon(@Param() params: LeaseParams, @Body(NoBodyPipe) _body: unknown): Promise<TaskStateDto> {

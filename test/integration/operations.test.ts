@@ -136,6 +136,41 @@ describe('operations: health, metrics, OpenAPI, request ids', () => {
       $ref: '#/components/schemas/ErrorResponseDto',
     });
     expect(doc.components.schemas.CreateReservationDto.required).toEqual(['owner']);
+    // Counts, durations and versions are integers in answers too (API.md: durations are integer milliseconds).
+    const { PoolWithStatsDto, PoolStatsDto, ImportResultDto, ResourceDto, ReservationItemDto, ErrorDetailDto } = doc.components.schemas;
+    for (const field of ['holdTtlMs', 'maxHoldTtlMs', 'maxHoldsPerOwner'])
+      expect(PoolWithStatsDto.properties[field].type, field).toBe('integer');
+    for (const field of ['total', 'free', 'held', 'allocated']) expect(PoolStatsDto.properties[field].type, field).toBe('integer');
+    expect([
+      ImportResultDto.properties.inserted.type,
+      ResourceDto.properties.version.type,
+      ReservationItemDto.properties.version.type,
+    ]).toEqual(['integer', 'integer', 'integer']);
+    // A request body refuses fields it does not name; attribute keys are 1-64 characters.
+    for (const name of [
+      'CreatePoolDto',
+      'CreateReservationDto',
+      'ConfirmDto',
+      'ImportResourcesDto',
+      'ImportItemDto',
+      'ReservationFilterDto',
+    ]) {
+      expect(doc.components.schemas[name]?.additionalProperties, name).toBe(false);
+    }
+    expect(ImportItemDto.properties.attributes.propertyNames).toEqual({ minLength: 1, maxLength: 64 });
+    // The error body's details say what `fields` and `receivedAt` hold.
+    expect(ErrorDetailDto.properties.details.properties.fields.items.properties).toHaveProperty('reason');
+    expect(ErrorDetailDto.properties.details.properties.receivedAt.format).toBe('date-time');
+    // Every answer is described; every route lists 400 (a query string is refused everywhere), and every route
+    // whose method carries a body lists 413.
+    for (const [path, methods] of Object.entries<any>(doc.paths)) {
+      for (const [method, operation] of Object.entries<any>(methods)) {
+        for (const [status, answer] of Object.entries<any>(operation.responses))
+          expect(answer.description, `${method} ${path} ${status}`).toBeTruthy();
+        if (path.startsWith('/v1/')) expect(operation.responses, `${method} ${path}`).toHaveProperty('400');
+        if (method !== 'get') expect(operation.responses, `${method} ${path}`).toHaveProperty('413');
+      }
+    }
     expect(doc.paths['/v1/pools/{pool}/reservations'].post.responses).toHaveProperty('409');
     expect((await api.get('/docs')).status).toBe(200);
   });
