@@ -18,7 +18,7 @@ import { AppConfig } from './config/app-config.js';
 import { runMigrations } from './database/migrate.js';
 import { unreachable } from './common/dependency-errors.js';
 import { MetricsService } from './metrics/metrics.service.js';
-import { REDIS, assertNoEviction } from './redis/redis.client.js';
+import { REDIS, assertUsableRedis } from './redis/redis.client.js';
 
 export const API_VERSION = '1';
 
@@ -95,7 +95,7 @@ export async function createApp(config: AppConfig, options: { logger?: boolean }
       .connect()
       .catch((err: unknown) => Promise.reject(unreachable('Redis', redisUrl, 6379, cause ?? err)))
       .finally(() => redis.off('error', keepCause));
-    await assertNoEviction(redis, redisUrl, config.REDIS_TIMEOUT_MS);
+    await assertUsableRedis(redis, redisUrl, config.REDIS_TIMEOUT_MS);
   } catch (err) {
     await app.close().catch(() => undefined);
     throw err;

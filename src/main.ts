@@ -1,14 +1,19 @@
 import 'reflect-metadata';
 import { Logger } from '@nestjs/common';
 import { ConfigError, loadConfig } from './config/app-config.js';
-import { EvictionPolicyError } from './redis/redis.client.js';
 import { createApp } from './app.factory.js';
 import { StartupError } from './common/dependency-errors.js';
 
 async function main(): Promise<void> {
   const config = loadConfig(process.env);
   const app = await createApp(config);
-  await app.listen({ port: config.PORT, host: config.HOST });
+  try {
+    await app.listen({ port: config.PORT, host: config.HOST });
+  } catch (err) {
+    await app.close().catch(() => undefined);
+    // The port taken, a HOST that does not resolve or is not this machine's: one line, not a stack.
+    throw new StartupError(`cannot listen on ${config.HOST}:${config.PORT}: ${(err as Error).message}`);
+  }
   // Graceful shutdown: stop accepting, let in-flight requests finish, stop the sweeper, close the pools.
   for (const signal of ['SIGTERM', 'SIGINT'] as const) {
     process.once(signal, () => {
@@ -34,10 +39,11 @@ async function main(): Promise<void> {
 }
 
 main().catch((err: unknown) => {
-  if (err instanceof ConfigError || err instanceof EvictionPolicyError || err instanceof StartupError) {
+  if (err instanceof ConfigError || err instanceof StartupError) {
     console.error(`respool cannot start: ${err.message}`);
   } else {
-    console.error('respool cannot start:', err);
+    // Not foreseen: its stack, for the bug report (not the whole object, which for a driver error is every field).
+    console.error(`respool cannot start: ${err instanceof Error ? err.stack : String(err)}`);
   }
   process.exit(1);
 });

@@ -50,6 +50,12 @@ export function unreachable(dependency: string, url: URL, defaultPort: number, c
   return new StartupError(`${dependency} at ${host}:${port} ${what}${why ? ` ${why}` : ''}: ${reasonOf(cause)}`);
 }
 
+/** The StartupError for a dependency that refused what start-up asked of it (`action`: "to create database x"). */
+export function refused(dependency: string, url: URL, defaultPort: number, action: string, cause: unknown, hint = ''): StartupError {
+  const { host, port } = endpoint(url, defaultPort);
+  return new StartupError(`${dependency} at ${host}:${port} refused ${action}: ${reasonOf(cause)}${hint ? ` (${hint})` : ''}`);
+}
+
 /**
  * What went wrong, in words. A host that resolves to several addresses (`localhost`: 127.0.0.1 and ::1) fails
  * with an AggregateError whose own message is empty: its errors say it. An Error without a message gives its code.

@@ -4,7 +4,7 @@ import pg from 'pg';
 import { DataSource, DataSourceOptions } from 'typeorm';
 import { AppConfig, loadConfig } from '../config/app-config.js';
 import { dataSourceOptions } from './data-source.js';
-import { unreachable } from '../common/dependency-errors.js';
+import { isPostgresOutage, refused, unreachable } from '../common/dependency-errors.js';
 
 const MIGRATION_LOCK = 7_361_905_021; // arbitrary, constant pg_advisory_lock key for respool migrations
 
@@ -46,7 +46,11 @@ export async function ensureDatabase(databaseUrl: string, timeoutMs = 5000): Pro
         await client.query(`CREATE DATABASE ${quoteIdent(name)}`);
       } catch (err) {
         // Another instance created it between our check and our CREATE: that is fine.
-        if ((err as { code?: string }).code !== '42P04' && (err as { code?: string }).code !== '23505') throw err;
+        const code = (err as { code?: string }).code;
+        if (code === '42P04' || code === '23505') return;
+        throw isPostgresOutage(err)
+          ? unreachable('Postgres', admin, 5432, err, `to create database "${name}"`)
+          : refused('Postgres', admin, 5432, `to create database "${name}"`, err, 'create it, or let the user create databases');
       }
     }
   } finally {
@@ -60,6 +64,19 @@ export async function ensureDatabase(databaseUrl: string, timeoutMs = 5000): Pro
  */
 export async function runMigrations(config: AppConfig): Promise<string[]> {
   await ensureDatabase(config.DATABASE_URL, config.DB_TIMEOUT_MS);
+  try {
+    return await migrate(config);
+  } catch (err) {
+    // A statement Postgres refused (a user that may not create tables, say) or an outage midway: one line
+    // that says where, not a driver's stack.
+    const url = new URL(config.DATABASE_URL);
+    throw isPostgresOutage(err)
+      ? unreachable('Postgres', url, 5432, err, 'to migrate')
+      : refused('Postgres', url, 5432, 'a migration', err);
+  }
+}
+
+async function migrate(config: AppConfig): Promise<string[]> {
   const lock = new pg.Client({ connectionString: config.DATABASE_URL, connectionTimeoutMillis: config.DB_TIMEOUT_MS });
   await lock.connect();
   try {

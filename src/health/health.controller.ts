@@ -22,7 +22,7 @@ export class HealthController {
   }
 
   @Get('ready')
-  @ApiOperation({ summary: 'Postgres and Redis answer (503 otherwise)' })
+  @ApiOperation({ summary: 'Postgres and Redis answer, and Redis may not evict keys (503 otherwise)' })
   // Over @HealthCheck's 503: the service answers it with the API's error body (src/common/http-errors.ts).
   @ApiResponse({
     status: 503,
@@ -38,7 +38,7 @@ export class HealthController {
       () =>
         this.indicators
           .check('redis')
-          .attempt(() => this.holds.ping())
+          .attempt(() => this.holds.ready())
           .withTimeout(1500),
     ]);
   }

@@ -5,7 +5,7 @@ import { AppConfig } from '../config/app-config.js';
 import { isRedisOutage } from '../common/dependency-errors.js';
 import { DomainError } from '../common/errors.js';
 import { freeMember, legacyAttributeSets, markerKey, poolKeys, rebuildRunKey } from './keys.js';
-import { REDIS, REDIS_TIMEOUT_MESSAGE, redisNowMs, withTimeout } from './redis.client.js';
+import { REDIS, REDIS_TIMEOUT_MESSAGE, evictionPolicyOf, evictionRefusal, redisNowMs, withTimeout } from './redis.client.js';
 
 /**
  * An item as Redis caches it: the JSON stored in the item hash, in reservations and in imports. The
@@ -438,8 +438,14 @@ export class HoldStore implements OnApplicationShutdown {
     await this.redis.quit().catch(() => this.redis.disconnect());
   }
 
-  async ping(): Promise<void> {
-    await this.command(() => this.redis.ping());
+  /**
+   * Readiness: Redis answers, and may not evict keys. The policy is checked at start-up, and again here: a
+   * Redis restarted or failed over with another configuration would otherwise go unnoticed.
+   */
+  async ready(): Promise<void> {
+    const info = await this.command(() => this.redis.info('memory'));
+    const refusal = evictionRefusal(new URL(this.config.REDIS_URL), evictionPolicyOf(info));
+    if (refusal) throw new Error(refusal);
   }
 }
 

@@ -1,6 +1,6 @@
 import { Redis } from 'ioredis';
 import { AppConfig } from '../config/app-config.js';
-import { endpoint } from '../common/dependency-errors.js';
+import { StartupError, endpoint, isRedisOutage, refused, unreachable } from '../common/dependency-errors.js';
 
 export const REDIS = Symbol('REDIS');
 
@@ -65,18 +65,38 @@ export function withTimeout<T>(command: Promise<T>, ms: number): Promise<T> {
   });
 }
 
-export class EvictionPolicyError extends Error {}
+/** Redis' maxmemory-policy, from INFO memory ("unknown" if INFO does not say). */
+export function evictionPolicyOf(info: string): string {
+  return /maxmemory_policy:(\S+)/.exec(info)?.[1] ?? 'unknown';
+}
 
-/** Refuses to run on a Redis that may evict keys: an evicted hold is a double allocation. */
-export async function assertNoEviction(redis: Redis, url: URL, timeoutMs: number): Promise<void> {
-  const info = await withTimeout(redis.info('memory'), timeoutMs);
-  const policy = /maxmemory_policy:(\S+)/.exec(info)?.[1];
-  if (policy !== 'noeviction') {
-    const { host, port } = endpoint(url, 6379);
-    throw new EvictionPolicyError(
-      `Redis at ${host}:${port} has maxmemory-policy "${policy ?? 'unknown'}"; respool needs "noeviction" because an ` +
-        `evicted hold would let two callers take the same item. Run: redis-cli -h ${host} -p ${port} CONFIG SET ` +
-        'maxmemory-policy noeviction (and set it in redis.conf).',
-    );
-  }
+/** Why a Redis with this maxmemory-policy may not be used, or null when it may (noeviction). */
+export function evictionRefusal(url: URL, policy: string): string | null {
+  if (policy === 'noeviction') return null;
+  const { host, port } = endpoint(url, 6379);
+  return (
+    `Redis at ${host}:${port} has maxmemory-policy "${policy}"; respool needs "noeviction" because an ` +
+    `evicted hold would let two callers take the same item. Run: redis-cli -h ${host} -p ${port} CONFIG SET ` +
+    'maxmemory-policy noeviction (and set it in redis.conf).'
+  );
+}
+
+/**
+ * Start-up checks of a connected Redis: the database the URL names is the one in use (ioredis only warns when
+ * its SELECT fails, and goes on in database 0, perhaps beside another deployment's keys), and Redis may not
+ * evict keys (an evicted hold is a double allocation). Each failure is a StartupError that says where.
+ */
+export async function assertUsableRedis(redis: Redis, url: URL, timeoutMs: number): Promise<void> {
+  const db = redis.options.db ?? 0;
+  const ask = async <T>(command: () => Promise<T>, what: string, hint: string): Promise<T> => {
+    try {
+      return await withTimeout(command(), timeoutMs);
+    } catch (err) {
+      throw isRedisOutage(err) ? unreachable('Redis', url, 6379, err) : refused('Redis', url, 6379, what, err, hint);
+    }
+  };
+  if (db !== 0) await ask(() => redis.select(db), `database ${db}`, 'name a database Redis has, in REDIS_URL');
+  const info = await ask(() => redis.info('memory'), 'INFO', 'respool reads maxmemory-policy with it: allow the user INFO');
+  const refusal = evictionRefusal(url, evictionPolicyOf(info));
+  if (refusal) throw new StartupError(refusal);
 }

@@ -255,7 +255,7 @@ describe('operations: health, metrics, OpenAPI, request ids', () => {
   it('while an instance shuts down, a request that still reaches it is refused with the API error body and Connection: close', async () => {
     const leaving = await world.start();
     // A readiness check that takes a while keeps its connection busy, so the shutdown does not close it.
-    vi.spyOn(leaving.app.get(HoldStore), 'ping').mockImplementation(async () => {
+    vi.spyOn(leaving.app.get(HoldStore), 'ready').mockImplementation(async () => {
       await sleep(800);
     });
     const server = leaving.app.getHttpServer();

@@ -319,6 +319,66 @@ describe('recovery: Redis wiped or down, Postgres down, an instance gone', () =>
     }
   });
 
+  it('says in one line what Postgres or Redis refused at start-up: creating the database, a migration, a Redis database number, INFO', async () => {
+    const role = `respool_limited_${process.pid}`;
+    const existing = `${world.config().DATABASE_URL.split('/').pop()}_limited`;
+    await world.query(`CREATE ROLE ${role} LOGIN NOCREATEDB`);
+    await world.query(`CREATE DATABASE ${existing}`);
+    try {
+      const as = (database: string) => {
+        const url = new URL(world.config().DATABASE_URL);
+        url.username = role;
+        url.pathname = `/${database}`;
+        return url.toString();
+      };
+      const where = `Postgres at 127\\.0\\.0\\.1:${new URL(world.config().DATABASE_URL).port || 5432}`;
+      // Its database is missing, and it may not create one.
+      await expect(createApp(world.config({ DATABASE_URL: as(`${existing}_missing`) }), { logger: false })).rejects.toThrow(
+        new RegExp(`^${where} refused to create database "${existing}_missing": permission denied to create database \\(create it,`),
+      );
+      // Its database exists, and it may not create tables in it (Postgres 15: no CREATE on schema public).
+      await expect(createApp(world.config({ DATABASE_URL: as(existing) }), { logger: false })).rejects.toThrow(
+        new RegExp(`^${where} refused a migration: permission denied for schema public$`),
+      );
+    } finally {
+      await world.query(`DROP DATABASE ${existing} WITH (FORCE)`);
+      await world.query(`DROP ROLE ${role}`);
+    }
+    const own = await OwnRedis.start();
+    try {
+      const admin = own.client();
+      await admin.call('ACL', 'SETUSER', 'noinfo', 'on', '>pw', '~*', '+@all', '-info');
+      admin.disconnect();
+      const at = `Redis at 127\\.0\\.0\\.1:${own.port}`;
+      // ioredis only warns when its SELECT fails, and would go on in database 0.
+      await expect(createApp(world.config({ REDIS_URL: `${own.url}/99` }), { logger: false })).rejects.toThrow(
+        new RegExp(`^${at} refused database 99: ERR DB index is out of range`),
+      );
+      await expect(createApp(world.config({ REDIS_URL: `redis://noinfo:pw@127.0.0.1:${own.port}` }), { logger: false })).rejects.toThrow(
+        new RegExp(`^${at} refused INFO: NOPERM`),
+      );
+    } finally {
+      await own.stop();
+    }
+  });
+
+  it('is not ready (503) while its Redis may evict keys, and ready again once it may not', async () => {
+    const client = redis.client();
+    try {
+      await client.config('SET', 'maxmemory-policy', 'allkeys-lru');
+      const refused = await api.get('/health/ready');
+      expect(refused.status).toBe(503);
+      expect(refused.body.error.code).toBe('DEPENDENCY_UNAVAILABLE');
+      expect(JSON.stringify(refused.body.error.details.report)).toMatch(
+        /maxmemory-policy \\"allkeys-lru\\"; respool needs \\"noeviction\\"/,
+      );
+    } finally {
+      await client.config('SET', 'maxmemory-policy', 'noeviction');
+      client.disconnect();
+    }
+    expect((await api.get('/health/ready')).status).toBe(200);
+  });
+
   it('refuses to start when Redis may evict keys', async () => {
     const evicting = await OwnRedis.start(['--maxmemory-policy', 'allkeys-lru']);
     try {
