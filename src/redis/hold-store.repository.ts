@@ -217,7 +217,7 @@ export class HoldStore implements OnApplicationShutdown {
       // forgotten, so that a retry with the key makes a new reservation rather than replay a released one.
       // Should that release never reach Redis (the connection lost), the reservation stays held until it
       // expires, and a retry with the key is answered with it.
-      if (timedOut(err)) await this.release(pool, req.reservationId, undefined, req.idempotencyKey).catch(() => undefined);
+      if (timedOut(err)) await this.undoReserve(pool, req.reservationId, req.idempotencyKey).catch(() => undefined);
       throw err;
     }
     switch (reply[0]) {
@@ -277,12 +277,19 @@ export class HoldStore implements OnApplicationShutdown {
   }
 
   /** `abortedEpoch`: the reservation's commit epoch, which Postgres has recorded as given up. */
-  /** `forgetKey`: an Idempotency-Key to drop if it names this reservation (undoing a reserve that timed out). */
-  async release(pool: string, reservationId: string, abortedEpoch?: number, forgetKey?: string): Promise<ReleaseResult> {
-    const reply = await this.run<string[]>('release', pool, reservationId, this.retentionMs, abortedEpoch ?? '', forgetKey ?? '');
+  async release(pool: string, reservationId: string, abortedEpoch?: number): Promise<ReleaseResult> {
+    const reply = await this.run<string[]>('release', pool, reservationId, this.retentionMs, abortedEpoch ?? '', '');
     if (reply[0] === 'released' || reply[0] === 'confirmed') return { status: reply[0], reservation: parseReservation(reply) };
     if (reply[0] === 'undecided') return { status: 'undecided', epoch: Number(reply[1]) };
     return { status: reply[0] as 'busy' | 'missing' };
+  }
+
+  /**
+   * Undoes a reserve whose answer timed out: releases it, and forgets its Idempotency-Key if the key names it.
+   * With a key, a retry that was answered with the reservation meanwhile (a replay) keeps it: nothing changes.
+   */
+  async undoReserve(pool: string, reservationId: string, idempotencyKey: string | undefined): Promise<void> {
+    await this.run<string[]>('release', pool, reservationId, this.retentionMs, '', idempotencyKey ?? '');
   }
 
   async extend(pool: string, reservationId: string, ttlMs: number): Promise<ExtendResult> {

@@ -4,6 +4,7 @@ import { loadConfig } from '../../src/config/app-config.js';
 import { REDIS_TIMEOUT_MESSAGE, createRedis, withTimeout } from '../../src/redis/redis.client.js';
 import { HttpAnswer, TestInstance, TestWorld, eventually, numbers, seedPool, sleep } from '../support/harness.js';
 import { OwnRedis, REDIS_URL } from '../support/services.js';
+import { HoldStore } from '../../src/redis/hold-store.repository.js';
 
 /** Blocks this process's event loop, as a long GC pause or a starved cold start does. */
 function stall(ms: number): void {
@@ -118,6 +119,28 @@ describe('a reserve that got no answer in time', () => {
     expect(again.status).toBe(200);
     expect(again.body.id).toBe(retry.body.id);
     expect(await api.stats('slow-keyed')).toEqual({ total: 2, free: 1, held: 1, allocated: 0 });
+  });
+
+  it('undoing a keyed reserve changes nothing once a retry with the key was answered with it (a replay)', async () => {
+    // The order a retry through another instance can take: Redis, busy past both timeouts, runs that
+    // instance's replay before the undo this one sent.
+    await seedPool(api, 'keyed-replayed', numbers(2));
+    const body = { owner: 'buyer', count: 1 };
+    const headers = { 'idempotency-key': 'order-9' };
+    const first = await api.post('/v1/pools/keyed-replayed/reservations', body, headers);
+    expect(first.status).toBe(201);
+    expect((await api.post('/v1/pools/keyed-replayed/reservations', body, headers)).status).toBe(200);
+    await api.app.get(HoldStore).undoReserve('keyed-replayed', first.body.id, 'order-9');
+    expect((await api.get(`/v1/reservations/${first.body.id}`)).body.state).toBe('held');
+    expect(await api.stats('keyed-replayed')).toEqual({ total: 2, free: 1, held: 1, allocated: 0 });
+    const again = await api.post('/v1/pools/keyed-replayed/reservations', body, headers);
+    expect(again.status).toBe(200);
+    expect(again.body.id).toBe(first.body.id);
+    // Without a replay, the undo releases it and forgets the key.
+    const other = await api.post('/v1/pools/keyed-replayed/reservations', body, { 'idempotency-key': 'order-10' });
+    await api.app.get(HoldStore).undoReserve('keyed-replayed', other.body.id, 'order-10');
+    expect((await api.get(`/v1/reservations/${other.body.id}`)).body.state).toBe('released');
+    expect((await api.post('/v1/pools/keyed-replayed/reservations', body, { 'idempotency-key': 'order-10' })).status).toBe(201);
   });
 
   it("undoing a keyed reserve forgets the key only if it names that reservation: another call's key is kept", async () => {

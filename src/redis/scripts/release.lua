@@ -2,13 +2,15 @@
 -- free index at once. Idempotent.
 -- A reservation that once started a commit (it has an epoch) is released only once Postgres has
 -- recorded that epoch as given up (ARGV 4 = the epoch so decided): its commit may have landed unseen.
--- ARGV: 1 base, 2 rid, 3 retention ms, 4 epoch decided 'abort' in Postgres ("" = none), 5 an Idempotency-Key to
---       forget if it names this reservation ("" = none: the undoing of a keyed reserve whose answer timed out)
+-- ARGV: 1 base, 2 rid, 3 retention ms, 4 epoch decided 'abort' in Postgres ("" = none), 5 an Idempotency-Key
+--       ("" = none): the undoing of a keyed reserve whose answer timed out, which forgets the key if it names
+--       this reservation, and changes nothing once a retry with the key was answered with it (reserve's replay)
 -- Returns: {"released", ...reservation} | {"confirmed", ...reservation} | {"busy"} (a confirm is committing)
---          | {"undecided", epoch} | {"missing"}
+--          | {"undecided", epoch} | {"missing"} | {"replayed"}
 local base, rid, retention, decided, idem_key = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4], ARGV[5]
 local rkey = base .. 'r:' .. rid
 if idem_key ~= '' then
+  if redis.call('HGET', rkey, 'rp') then return { 'replayed' } end
   local ikey = base .. 'idem:' .. idem_key
   local named = redis.call('GET', ikey)
   if named and string.sub(named, 1, #rid + 1) == rid .. '\n' then redis.call('DEL', ikey) end

@@ -21,7 +21,11 @@ if idem_key ~= '' then
     if string.sub(prev, sep + 1) ~= body_hash then return { 'reused' } end
     local prid = string.sub(prev, 1, sep - 1)
     local prkey = base .. 'r:' .. prid
-    if redis.call('EXISTS', prkey) == 1 then return reservation_reply('replay', prid, prkey, now) end
+    if redis.call('EXISTS', prkey) == 1 then
+      -- Someone is answered with it now: a reserve undone after a timeout (release with the key) must keep it.
+      redis.call('HSET', prkey, 'rp', '1')
+      return reservation_reply('replay', prid, prkey, now)
+    end
   end
 end
 
