@@ -104,6 +104,8 @@ export const OPEN_RECORD_MARGIN_MS = 86_400_000;
 /** A rebuild round's key outlives any round (a lingering one, of a round that died, expires). */
 const REBUILD_RUN_KEY_MS = 24 * 3600_000;
 /** The marker set to ARGV[2] only over ARGV[1] (Redis 7.0 has no SET ... IFEQ). */
+/** In the marker's value while a rebuild round runs: `<generation> rebuilding:<run>`. */
+export const REBUILDING = ' rebuilding:';
 const MARK_REBUILT = `if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('SET', KEYS[1], ARGV[2]) return 1 end return 0`;
 /** addFree adds nothing from a Postgres read older than this (Redis' clock), well inside a tombstone's life. */
 export const READ_MAX_AGE_MS = TOMBSTONE_MS / 2;
@@ -406,7 +408,18 @@ export class HoldStore implements OnApplicationShutdown {
   }
 
   async markerPresent(): Promise<boolean> {
-    return (await this.command(() => this.redis.exists(markerKey(this.prefix)))) === 1;
+    return (await this.rebuildState()) !== 'missing';
+  }
+
+  /**
+   * What the rebuilt-marker says: `missing` (Redis was wiped, or its key layout is new), `unfinished` (a
+   * rebuild round began and no rebuild has ended since: one is running, or one failed or its instance died
+   * midway, and part of the free index may be missing) or `rebuilt`.
+   */
+  async rebuildState(): Promise<'missing' | 'unfinished' | 'rebuilt'> {
+    const marker = await this.command(() => this.redis.get(markerKey(this.prefix)));
+    if (marker === null) return 'missing';
+    return marker.includes(REBUILDING) ? 'unfinished' : 'rebuilt';
   }
 
   /** Writes the rebuilt-marker with this value. */

@@ -7,13 +7,14 @@ import { MetricsService } from '../metrics/metrics.service.js';
 import { PoolCatalog } from '../pools/pool-catalog.service.js';
 import { isStringRecord } from '../common/validators.js';
 import { toCachedItem } from '../pools/pools.service.js';
-import { HoldStore } from '../redis/hold-store.repository.js';
+import { HoldStore, REBUILDING } from '../redis/hold-store.repository.js';
 
 const JOB = 'rebuild';
 const LEASE_MS = 30_000;
 const PAGE = 5000;
 
-export type RebuildReason = 'startup' | 'wiped' | 'periodic';
+/** `unfinished`: the marker says a rebuild began, and none holds the job (it failed, or its instance died). */
+export type RebuildReason = 'startup' | 'wiped' | 'unfinished' | 'periodic';
 
 /** The job changed hands while this instance held it (its lease ran out while the process was stalled). */
 class LeaseLost extends Error {}
@@ -41,6 +42,20 @@ export class RebuildService {
    * while this one stalled (it then stops where it noticed, and leaves the rest to that instance).
    */
   async rebuild(reason: RebuildReason): Promise<number | null> {
+    // One at a time in this instance too: the lease it holds is one (the sweeper calls this from one loop; a
+    // second caller, a test or a tool, would share the lease and renew it under the first).
+    if (this.running) return null;
+    this.running = true;
+    try {
+      return await this.rebuildOnce(reason);
+    } finally {
+      this.running = false;
+    }
+  }
+
+  private running = false;
+
+  private async rebuildOnce(reason: RebuildReason): Promise<number | null> {
     const lease = await this.mutex.acquire(JOB, this.instanceId, LEASE_MS);
     if (lease === null) return null;
     this.lease = lease;
@@ -50,6 +65,9 @@ export class RebuildService {
       // Seen wiped before the job was ours: another instance may have rebuilt since. Bumping the
       // generation again would fence the holds taken on its rebuild.
       if (reason === 'wiped' && (await this.holds.markerPresent())) return 0;
+      // Likewise, an unfinished rebuild another instance has finished since. One that is still unfinished is
+      // done again in the current generation (the rebuild that began it bumped it, if it had to), as at start-up.
+      if (reason === 'unfinished' && (await this.holds.rebuildState()) !== 'unfinished') return 0;
       // No marker: Redis was wiped, or this version's key layout is new to it (the marker's name changed).
       if (reason === 'wiped') await this.holds.dropLegacyAttributeSets(() => this.renewLease());
       let added = 0;
@@ -63,7 +81,7 @@ export class RebuildService {
         // the round's own key tells: the marker's value may be another instance's (one that stalled past its
         // lease may still write it), and taking that for a wipe would bump the generation for nothing.
         const run = `${this.instanceId}:${started}:${round}`;
-        roundMarker = `${generation} rebuilding:${run}`;
+        roundMarker = `${generation}${REBUILDING}${run}`;
         await this.holds.startRebuildRound(run, roundMarker);
         const pools = await this.catalog.all();
         // Every pool gets the generation before any item is added, so no hold is taken in an older one. In

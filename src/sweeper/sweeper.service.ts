@@ -141,9 +141,14 @@ export class SweeperService implements OnApplicationBootstrap, OnModuleDestroy {
     const periodic = this.config.RECONCILE_INTERVAL_MS > 0 && now - this.lastRebuild > this.config.RECONCILE_INTERVAL_MS;
     if (!startup && !periodic && now - this.lastWipeCheck < WIPE_CHECK_MIN_GAP_MS) return;
     this.lastWipeCheck = now;
-    const wiped = !(await this.holds.markerPresent());
-    if (!startup && !wiped && !periodic) return;
-    const reason = wiped ? 'wiped' : startup ? 'startup' : 'periodic';
+    const state = await this.holds.rebuildState();
+    const wiped = state === 'missing';
+    // A rebuild that failed midway (a Postgres error on one page), or whose instance died, left part of the free
+    // index out: done again at once, whatever RECONCILE_INTERVAL_MS says. While another instance runs one, it
+    // holds the job and this does nothing.
+    const unfinished = state === 'unfinished';
+    if (!startup && !wiped && !unfinished && !periodic) return;
+    const reason = wiped ? 'wiped' : unfinished ? 'unfinished' : startup ? 'startup' : 'periodic';
     const added = await this.rebuilder.rebuild(reason);
     // Another instance holding the job counts as done for the periodic run, not for a wipe.
     if (added !== null || !wiped) this.lastRebuild = now;

@@ -1,9 +1,10 @@
 import { Logger } from '@nestjs/common';
-import { afterAll, beforeAll, describe, expect, it, vi } from 'vitest';
+import { afterAll, beforeAll, beforeEach, describe, expect, it, onTestFinished, vi } from 'vitest';
 import { DataSource } from 'typeorm';
 import { AttributesAreStrings1764300000000 } from '../../migrations/1764300000000-AttributesAreStrings.js';
 import { JobMutexRepository } from '../../src/database/job-mutex.repository.js';
 import { RebuildService } from '../../src/sweeper/rebuild.service.js';
+import { SweeperService } from '../../src/sweeper/sweeper.service.js';
 import { ResourceRepository } from '../../src/database/resource.repository.js';
 import { GenerationRepository } from '../../src/database/generation.repository.js';
 import { markerKey, poolKeys } from '../../src/redis/keys.js';
@@ -21,6 +22,26 @@ describe('rebuild of Redis from Postgres, one instance at a time', () => {
     b = await world.start({ RECONCILE_INTERVAL_MS: '0' });
   });
   afterAll(() => world.cleanup());
+  // A test starts once the last one's rebuilds are over: a sweeper finishes an unfinished one on its own.
+  beforeEach(async () => {
+    await eventually(async () => {
+      const holders = await world.query(`SELECT 1 FROM t_job_mutex WHERE job_type = 'rebuild' AND holder IS NOT NULL`);
+      return holders.length === 0 && (await a.app.get(HoldStore).rebuildState()) === 'rebuilt';
+    }, 15_000);
+  });
+
+  /**
+   * For a test that stalls a rebuild by hand past its lease: the sweepers may not take the job over meanwhile (a
+   * marker that says rebuilding and a stale lease are theirs to finish), until the test is over.
+   */
+  function quietSweepers(): void {
+    const spies = [a, b].map((instance) =>
+      vi
+        .spyOn(instance.app.get(SweeperService) as unknown as { rebuildIfNeeded: () => Promise<void> }, 'rebuildIfNeeded')
+        .mockResolvedValue(),
+    );
+    onTestFinished(() => spies.forEach((spy) => spy.mockRestore()));
+  }
 
   it('t_job_mutex: the version CAS lets one holder in, until it releases or its lease runs out', async () => {
     const mutex = a.app.get(JobMutexRepository);
@@ -119,6 +140,7 @@ describe('rebuild of Redis from Postgres, one instance at a time', () => {
   });
 
   it('a rebuild whose lease ran out while it stalled, and that another instance took, stops: no bump fences live holds', async () => {
+    quietSweepers();
     await seedPool(a, 'stalled', numbers(3));
     const r = await a.post('/v1/pools/stalled/reservations', { owner: 'buyer', count: 1 });
     expect(r.status).toBe(201);
@@ -207,6 +229,51 @@ describe('rebuild of Redis from Postgres, one instance at a time', () => {
     expect(after).toBe(before + 1);
   });
 
+  it('a rebuild after a wipe that fails midway (a Postgres error on one page) is done again at once: every free item comes back', async () => {
+    await seedPool(a, 'half-built', numbers(11_000));
+    // The second page read of any instance's rebuild fails, as a statement timeout or a dropped connection would.
+    let pages = 0;
+    const spies = [a, b].map((instance) => {
+      const repo = instance.app.get(ResourceRepository);
+      const read = repo.freePage.bind(repo);
+      return vi.spyOn(repo, 'freePage').mockImplementation(async (...args: Parameters<typeof repo.freePage>) => {
+        if (++pages === 2) throw new Error('Connection terminated unexpectedly');
+        return read(...args);
+      });
+    });
+    try {
+      await deleteKeys(a.config.REDIS_URL, world.prefix);
+      // RECONCILE_INTERVAL_MS is 0: no periodic rebuild would ever finish it.
+      await eventually(async () => (await a.stats('half-built')).free === 11_000, 15_000);
+      expect(pages).toBeGreaterThan(2);
+    } finally {
+      for (const spy of spies) spy.mockRestore();
+    }
+    expect(await a.stats('half-built')).toEqual({ total: 11_000, free: 11_000, held: 0, allocated: 0 });
+    expect(await a.app.get(HoldStore).rebuildState()).toBe('rebuilt');
+  }, 30_000);
+
+  it('a rebuild whose instance died midway (the marker says rebuilding, nobody holds the job) is finished by another', async () => {
+    await seedPool(a, 'orphaned', numbers(4));
+    const [{ gen }] = await world.query(`SELECT gen::text AS gen FROM t_redis_generation`);
+    const client = new (await import('ioredis')).Redis(a.config.REDIS_URL);
+    try {
+      // What a rebuild leaves when its process is killed after its round began and before this pool was read.
+      await client.set(markerKey(world.prefix), `${gen} rebuilding:dead-instance:0:1`);
+      await client.del(poolKeys(world.prefix, 'orphaned').free);
+    } finally {
+      client.disconnect();
+    }
+    const { value } = await eventually(async () => {
+      const r = await a.post('/v1/pools/orphaned/reservations', { owner: 'n', count: 4 });
+      return r.status === 201 && r;
+    }, 5000);
+    expect(value.body.items).toHaveLength(4);
+    expect(await a.app.get(HoldStore).rebuildState()).toBe('rebuilt');
+    // In the generation it began in: holds taken since it began stay valid.
+    expect(await world.query(`SELECT gen::text AS gen FROM t_redis_generation`)).toEqual([{ gen }]);
+  });
+
   it('a rebuild that stalled past its lease cannot bump the generation: the bump renews the lease in its transaction', async () => {
     await seedPool(a, 'fenced-bump', numbers(2));
     const genKey = poolKeys(world.prefix, 'fenced-bump').generation;
@@ -245,6 +312,7 @@ describe('rebuild of Redis from Postgres, one instance at a time', () => {
   });
 
   it('a rebuild whose pages keep reaching Redis too late (it keeps stalling) stops once another instance took the job', async () => {
+    quietSweepers();
     await seedPool(a, 'always-late', numbers(2));
     const holds = b.app.get(HoldStore);
     const addFree = holds.addFree.bind(holds);
@@ -275,6 +343,7 @@ describe('rebuild of Redis from Postgres, one instance at a time', () => {
   });
 
   it('a rebuild page that reaches Redis after an allocation it missed lost its tombstone (a stall) adds nothing, and is read again', async () => {
+    quietSweepers();
     await seedPool(a, 'late-page', numbers(3));
     const keys = poolKeys(world.prefix, 'late-page');
     const holds = b.app.get(HoldStore);
