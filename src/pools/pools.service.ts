@@ -38,7 +38,11 @@ export function toCachedItem(row: Pick<ResourceRow, 'id' | 'value' | 'version' |
 @Injectable()
 export class PoolsService {
   private readonly logger = new Logger(PoolsService.name);
-  /** Free items committed by this instance whose Redis step failed, by pool name (see reindexPending). */
+  /**
+   * Items this instance made free in Postgres, or may have (a write whose answer was lost), that Redis may
+   * not have indexed: by pool name, ids (`id:<id>`) or, for an import that got no answer, values
+   * (`value:<value>`). See reindexPending.
+   */
   private readonly unindexed = new Map<string, Set<string>>();
 
   constructor(
@@ -107,7 +111,11 @@ export class PoolsService {
     for (const i of dto.items) {
       if (!byValue.has(i.value)) byValue.set(i.value, { value: i.value, attributes: i.attributes ?? {}, groupKey: i.groupKey ?? null });
     }
-    const rows = await this.resources.insertMany(pool.id, [...byValue.values()]);
+    const rows = await this.whenLost(
+      pool.name,
+      [...byValue.keys()].map((value) => `value:${value}`),
+      () => this.resources.insertMany(pool.id, [...byValue.values()]),
+    );
     const items = rows.map(({ id, value }) => toCachedItem({ id, version: 0, ...byValue.get(value)! }));
     if (rows.length < byValue.size) {
       // Values already in the pool: an earlier import of them may have committed without reaching Redis (its
@@ -139,7 +147,7 @@ export class PoolsService {
   async releaseResource(name: string, id: string, owner: string): Promise<ResourceDto> {
     const pool = await this.catalog.get(name);
     const readAt = await this.holds.clock();
-    const row = await this.resources.release(pool.id, id, owner);
+    const row = await this.whenLost(pool.name, [`id:${id}`], () => this.resources.release(pool.id, id, owner));
     if (!row) {
       const existing = await this.resources.findById(pool.id, id);
       if (!existing) throw resourceNotFound(pool.name, id);
@@ -170,21 +178,35 @@ export class PoolsService {
     if (!indexed)
       this.rememberUnindexed(
         pool.name,
-        items.map((item) => item.id),
+        items.map((item) => `id:${item.id}`),
       );
   }
 
-  private rememberUnindexed(pool: string, ids: string[]): void {
+  /**
+   * A Postgres write that makes items free (an import, a release), answered 503 when Postgres could not be
+   * reached: it may have committed all the same (its answer lost with the connection), and nobody would index
+   * the items it freed. They are remembered, to be indexed if Postgres says they are free (reindexPending).
+   */
+  private async whenLost<T>(pool: string, keys: string[], write: () => Promise<T>): Promise<T> {
+    try {
+      return await write();
+    } catch (err) {
+      if (err instanceof DomainError && err.code === ErrorCode.DEPENDENCY_UNAVAILABLE) this.rememberUnindexed(pool, keys);
+      throw err;
+    }
+  }
+
+  private rememberUnindexed(pool: string, keys: string[]): void {
     const pending = this.unindexed.get(pool) ?? new Set<string>();
     this.unindexed.set(pool, pending);
     let room = MAX_UNINDEXED - [...this.unindexed.values()].reduce((n, set) => n + set.size, 0);
-    for (const id of ids) {
-      if (pending.has(id)) continue;
+    for (const key of keys) {
+      if (pending.has(key)) continue;
       if (room-- <= 0) {
         this.logger.warn(`more than ${MAX_UNINDEXED} free items wait to be indexed in Redis; the next rebuild adds the rest`);
         break;
       }
-      pending.add(id);
+      pending.add(key);
     }
   }
 
@@ -195,15 +217,20 @@ export class PoolsService {
   async reindexPending(): Promise<number> {
     let added = 0;
     for (const [name, pending] of [...this.unindexed]) {
-      const ids = [...pending].slice(0, REINDEX_BATCH);
+      const keys = [...pending].slice(0, REINDEX_BATCH);
+      const ids = keys.filter((key) => key.startsWith('id:')).map((key) => key.slice(3));
+      const values = keys.filter((key) => key.startsWith('value:')).map((key) => key.slice(6));
       const pool = await this.catalog.get(name);
       const readAt = await this.holds.clock();
       const generation = await this.generations.current();
-      const rows = await this.resources.findMany(pool.id, ids);
+      const rows = [
+        ...(ids.length > 0 ? await this.resources.findMany(pool.id, ids) : []),
+        ...(values.length > 0 ? await this.resources.findFreeByValues(pool.id, values) : []),
+      ];
       const free = rows.filter((row) => row.state === RESOURCE_FREE && isStringRecord(row.attributes)).map(toCachedItem);
       const page = await this.holds.addFree(pool.name, generation, readAt, free);
       if (page === null) continue; // this instance stalled after the read: read again next time
-      for (const id of ids) pending.delete(id);
+      for (const key of keys) pending.delete(key);
       if (pending.size === 0) this.unindexed.delete(name);
       added += page;
     }

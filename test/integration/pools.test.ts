@@ -1,5 +1,6 @@
 import { afterAll, beforeAll, describe, expect, it, vi } from 'vitest';
 import { PoolRepository } from '../../src/database/pool.repository.js';
+import { ResourceRepository } from '../../src/database/resource.repository.js';
 import { DomainError } from '../../src/common/errors.js';
 import { HoldStore } from '../../src/redis/hold-store.repository.js';
 import { poolKeys } from '../../src/redis/keys.js';
@@ -87,6 +88,47 @@ describe('pools and resources', () => {
       releaseFails.mockRestore();
     }
     await eventually(async () => (await api.post('/v1/pools/later/reservations', { owner: 'p' })).status === 201, 2000);
+  });
+
+  it('an import or a release answered 503 whose Postgres write committed all the same (its answer lost) is indexed soon after, with no retry', async () => {
+    // No periodic rebuild on this instance: only the upkeep can index them.
+    const api = await world.start({ RECONCILE_INTERVAL_MS: '0' });
+    const resources = api.app.get(ResourceRepository);
+    const lost = () => DomainError.unavailable('postgres', new Error('Connection terminated unexpectedly'));
+    expect((await api.post('/v1/pools', { name: 'answer-lost', kind: 'number' })).status).toBe(201);
+    const insertMany = resources.insertMany.bind(resources);
+    const importLost = vi.spyOn(resources, 'insertMany').mockImplementationOnce(async (...args) => {
+      await insertMany(...args);
+      throw lost();
+    });
+    try {
+      const imported = await api.post('/v1/pools/answer-lost/resources', { items: [{ value: '1' }, { value: '2' }] });
+      expect(imported.status).toBe(503);
+    } finally {
+      importLost.mockRestore();
+    }
+    // The caller believed the 503 and never sent it again.
+    const { value: r } = await eventually(async () => {
+      const answer = await api.post('/v1/pools/answer-lost/reservations', { owner: 'o', count: 2 });
+      return answer.status === 201 && answer;
+    }, 3000);
+    const id = r.body.items[0].resourceId;
+    expect((await api.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [id] })).status).toBe(200);
+    const release = resources.release.bind(resources);
+    const releaseLost = vi.spyOn(resources, 'release').mockImplementationOnce(async (...args) => {
+      await release(...args);
+      throw lost();
+    });
+    try {
+      expect((await api.post(`/v1/pools/answer-lost/resources/${id}/release`, { owner: 'o' })).status).toBe(503);
+    } finally {
+      releaseLost.mockRestore();
+    }
+    const { value: again } = await eventually(async () => {
+      const answer = await api.post('/v1/pools/answer-lost/reservations', { owner: 'p', count: 2 });
+      return answer.status === 201 && answer;
+    }, 3000);
+    expect(again.body.items.map((i: { resourceId: string }) => i.resourceId)).toContain(id);
   });
 
   it('a retried import or release whose first attempt committed unseen (its answer or its Redis step lost) indexes what it finds free', async () => {
