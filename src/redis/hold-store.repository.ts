@@ -3,7 +3,7 @@ import { readFileSync } from 'node:fs';
 import type { Redis } from 'ioredis';
 import { AppConfig } from '../config/app-config.js';
 import { isRedisOutage } from '../common/dependency-errors.js';
-import { DomainError } from '../common/errors.js';
+import { DomainError, ErrorCode } from '../common/errors.js';
 import { freeMember, legacyAttributeSets, markerKey, poolKeys, rebuildRunKey } from './keys.js';
 import { REDIS, REDIS_TIMEOUT_MESSAGE, evictionPolicyOf, evictionRefusal, redisNowMs, withTimeout } from './redis.client.js';
 
@@ -104,6 +104,9 @@ export const OPEN_RECORD_MARGIN_MS = 86_400_000;
 /** A rebuild round's key outlives any round (a lingering one, of a round that died, expires). */
 const REBUILD_RUN_KEY_MS = 24 * 3600_000;
 /** The marker set to ARGV[2] only over ARGV[1] (Redis 7.0 has no SET ... IFEQ). */
+/** Reserves waiting to be undone at most (undoLater); past that, one is left to expire with its hold. */
+const MAX_PENDING_UNDOS = 10_000;
+
 /** In the marker's value while a rebuild round runs: `<generation> rebuilding:<run>`. */
 export const REBUILDING = ' rebuilding:';
 const MARK_REBUILT = `if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('SET', KEYS[1], ARGV[2]) return 1 end return 0`;
@@ -167,15 +170,19 @@ export class HoldStore implements OnApplicationShutdown {
   }
 
   private async run<T>(name: ScriptName, pool: string, ...args: (string | number)[]): Promise<T> {
+    // A timed-out command may or may not have run. Every script but reserve has the same effect when run
+    // twice, so those get one more try.
+    return this.script<T>(name, pool, args, name !== 'reserve');
+  }
+
+  private async script<T>(name: ScriptName, pool: string, args: (string | number)[], retryOnTimeout: boolean): Promise<T> {
     const keys = poolKeys(this.prefix, pool);
     const call = (this.redis as unknown as Record<string, ScriptCall>)[`rp_${name}`];
     // KEYS[1] names the pool's slot (for Redis Cluster routing); the scripts build their keys from the base.
     const once = () => withTimeout(call.call(this.redis, keys.free, keys.base, ...args) as Promise<T>, this.config.REDIS_TIMEOUT_MS);
     try {
       return await once().catch((err: unknown) => {
-        // A timed-out command may or may not have run. Every script but reserve has the same effect when
-        // run twice, so those get one more try.
-        if (name !== 'reserve' && err instanceof Error && err.message === REDIS_TIMEOUT_MESSAGE) return once();
+        if (retryOnTimeout && err instanceof Error && err.message === REDIS_TIMEOUT_MESSAGE) return once();
         throw err;
       });
     } catch (err) {
@@ -213,13 +220,16 @@ export class HoldStore implements OnApplicationShutdown {
         this.config.HOLD_GRACE_MS,
       );
     } catch (err) {
-      // A reserve that got no answer in time may still run in Redis, and the caller is answered 503
-      // (nothing changed): it is released at once, after it (Redis runs one connection's commands in
-      // order, and none is re-sent after a reconnect), and its Idempotency-Key, if it names it, is
-      // forgotten, so that a retry with the key makes a new reservation rather than replay a released one.
-      // Should that release never reach Redis (the connection lost), the reservation stays held until it
-      // expires, and a retry with the key is answered with it.
-      if (timedOut(err)) await this.undoReserve(pool, req.reservationId, req.idempotencyKey).catch(() => undefined);
+      // A reserve that got no answer (timed out, or its connection lost) may have run in Redis, or may still,
+      // and the caller is answered 503 (nothing changed): it is undone. After a timeout, on the same
+      // connection (Redis runs one connection's commands in order, and none is re-sent after a reconnect);
+      // when that fails too (the connection lost), the sweeper's upkeep sends the undo again until Redis takes
+      // it. An undo that runs first leaves a record that keeps the reserve, should it still arrive, from
+      // holding anything. Its Idempotency-Key, if it names it, is forgotten, so that a retry with the key makes
+      // a new reservation rather than replay a released one.
+      if (err instanceof DomainError && err.code === ErrorCode.DEPENDENCY_UNAVAILABLE) {
+        await this.undoReserve(pool, req.reservationId, req.idempotencyKey).catch(() => this.undoLater(pool, req));
+      }
       throw err;
     }
     switch (reply[0]) {
@@ -280,18 +290,42 @@ export class HoldStore implements OnApplicationShutdown {
 
   /** `abortedEpoch`: the reservation's commit epoch, which Postgres has recorded as given up. */
   async release(pool: string, reservationId: string, abortedEpoch?: number): Promise<ReleaseResult> {
-    const reply = await this.run<string[]>('release', pool, reservationId, this.retentionMs, abortedEpoch ?? '', '');
+    const reply = await this.run<string[]>('release', pool, reservationId, this.retentionMs, abortedEpoch ?? '', '', '');
     if (reply[0] === 'released' || reply[0] === 'confirmed') return { status: reply[0], reservation: parseReservation(reply) };
     if (reply[0] === 'undecided') return { status: 'undecided', epoch: Number(reply[1]) };
     return { status: reply[0] as 'busy' | 'missing' };
   }
 
   /**
-   * Undoes a reserve whose answer timed out: releases it, and forgets its Idempotency-Key if the key names it.
-   * With a key, a retry that was answered with the reservation meanwhile (a replay) keeps it: nothing changes.
+   * Undoes a reserve that got no answer: releases it, and forgets its Idempotency-Key if the key names it. With
+   * a key, a retry that was answered with the reservation meanwhile (a replay) keeps it: nothing changes. Before
+   * the reserve has run, it leaves a released record under the reservation's id, which the reserve then refuses.
+   * Idempotent; sent once (a retry is the upkeep's, see undoLater).
    */
   async undoReserve(pool: string, reservationId: string, idempotencyKey: string | undefined): Promise<void> {
-    await this.run<string[]>('release', pool, reservationId, this.retentionMs, '', idempotencyKey ?? '');
+    await this.script<string[]>('release', pool, [reservationId, this.retentionMs, '', '1', idempotencyKey ?? ''], false);
+  }
+
+  /** Reserves that got no answer and could not be undone yet (Redis unreachable), by reservation id. */
+  private readonly undos = new Map<string, { pool: string; reservationId: string; idempotencyKey?: string }>();
+
+  private undoLater(pool: string, req: ReserveRequest): void {
+    if (this.undos.size >= MAX_PENDING_UNDOS) {
+      this.logger.warn(`more than ${MAX_PENDING_UNDOS} reserves wait to be undone; ${req.reservationId} is left to expire`);
+      return;
+    }
+    this.undos.set(req.reservationId, { pool, reservationId: req.reservationId, idempotencyKey: req.idempotencyKey });
+  }
+
+  /** Sends the undos that could not be sent (undoLater) again; run by the sweeper's upkeep. Returns how many went. */
+  async retryUndos(): Promise<number> {
+    let done = 0;
+    for (const [rid, undo] of [...this.undos]) {
+      await this.undoReserve(undo.pool, undo.reservationId, undo.idempotencyKey);
+      this.undos.delete(rid);
+      done++;
+    }
+    return done;
   }
 
   async extend(pool: string, reservationId: string, ttlMs: number): Promise<ExtendResult> {
@@ -467,12 +501,6 @@ export class HoldStore implements OnApplicationShutdown {
     const refusal = evictionRefusal(new URL(this.config.REDIS_URL), evictionPolicyOf(info));
     if (refusal) throw new Error(refusal);
   }
-}
-
-/** A command that got no answer within REDIS_TIMEOUT_MS (it may still run), as run() throws it. */
-function timedOut(err: unknown): boolean {
-  const cause = err instanceof DomainError ? (err as { cause?: unknown }).cause : err;
-  return cause instanceof Error && cause.message === REDIS_TIMEOUT_MESSAGE;
 }
 
 export function compareIds(a: string, b: string): number {

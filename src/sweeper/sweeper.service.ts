@@ -103,11 +103,17 @@ export class SweeperService implements OnApplicationBootstrap, OnModuleDestroy {
   }
 
   /**
-   * The stalled commits the sweep found, the free items an import or release left out of Redis, the pool
-   * list and the wiped-Redis check, each failing on its own.
+   * The reserves that got no answer and could not be undone yet, the stalled commits the sweep found, the free
+   * items an import or release left out of Redis, the pool list and the wiped-Redis check, each failing on its own.
    */
   async upkeep(): Promise<void> {
     this.failed.upkeep = false;
+    try {
+      const undone = await this.holds.retryUndos();
+      if (undone > 0) this.logger.log(`${undone} reserves that got no answer from Redis undone`);
+    } catch (err) {
+      this.warn('upkeep', 'undoing reserves that got no answer', err);
+    }
     for (const [key, { pool, rid }] of [...this.stalled]) {
       this.stalled.delete(key);
       try {

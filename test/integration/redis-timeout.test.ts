@@ -1,10 +1,11 @@
 import { Redis } from 'ioredis';
-import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { afterAll, beforeAll, describe, expect, it, vi } from 'vitest';
 import { loadConfig } from '../../src/config/app-config.js';
-import { REDIS_TIMEOUT_MESSAGE, createRedis, withTimeout } from '../../src/redis/redis.client.js';
+import { REDIS, REDIS_TIMEOUT_MESSAGE, createRedis, withTimeout } from '../../src/redis/redis.client.js';
 import { HttpAnswer, TestInstance, TestWorld, eventually, numbers, seedPool, sleep } from '../support/harness.js';
 import { OwnRedis, REDIS_URL } from '../support/services.js';
 import { HoldStore } from '../../src/redis/hold-store.repository.js';
+import { DomainError } from '../../src/common/errors.js';
 
 /** Blocks this process's event loop, as a long GC pause or a starved cold start does. */
 function stall(ms: number): void {
@@ -119,6 +120,55 @@ describe('a reserve that got no answer in time', () => {
     expect(again.status).toBe(200);
     expect(again.body.id).toBe(retry.body.id);
     expect(await api.stats('slow-keyed')).toEqual({ total: 2, free: 1, held: 1, allocated: 0 });
+  });
+
+  it('a reserve whose answer is lost with its connection is answered 503 and undone once Redis takes the undo: nothing stays held', async () => {
+    await seedPool(api, 'reply-lost', numbers(3), { maxHoldsPerOwner: 3 });
+    const client = api.app.get<Redis>(REDIS) as unknown as Record<string, (...args: unknown[]) => Promise<unknown>>;
+    const reserve = client.rp_reserve;
+    // The script runs in Redis; its answer is lost with the connection, and so is the first undo.
+    const lost = vi.spyOn(client, 'rp_reserve').mockImplementationOnce(async function (this: unknown, ...args: unknown[]) {
+      await reserve.apply(this, args);
+      throw new Error('Connection is closed.');
+    });
+    const holds = api.app.get(HoldStore);
+    const undoFails = vi
+      .spyOn(holds, 'undoReserve')
+      .mockRejectedValueOnce(DomainError.unavailable('redis', new Error('Connection is closed.')));
+    try {
+      const r = await api.post('/v1/pools/reply-lost/reservations', { owner: 'buyer', count: 3 });
+      expect(r.status).toBe(503);
+      expect(lost).toHaveBeenCalled();
+      expect(undoFails).toHaveBeenCalledTimes(1);
+    } finally {
+      lost.mockRestore();
+    }
+    // The sweeper's upkeep sends the undo again: the items are free, and the owner's quota is not used up.
+    const { value } = await eventually(async () => {
+      const again = await api.post('/v1/pools/reply-lost/reservations', { owner: 'buyer', count: 3 });
+      return again.status === 201 && again;
+    }, 3000);
+    expect(value.body.items).toHaveLength(3);
+    expect(undoFails.mock.calls.length).toBeGreaterThan(1);
+    undoFails.mockRestore();
+  });
+
+  it('a reserve that reaches Redis after its undo (the undo went first, on another connection) holds nothing', async () => {
+    await seedPool(api, 'undone-first', numbers(2));
+    const holds = api.app.get(HoldStore);
+    const reservationId = 'undone-first.3f1c2a9e-5b7d-4e8f-9a0b-1c2d3e4f5a6b';
+    await holds.undoReserve('undone-first', reservationId, undefined);
+    const late = await holds.reserve('undone-first', {
+      reservationId,
+      owner: 'buyer',
+      count: 1,
+      ttlMs: 60_000,
+      maxHoldsPerOwner: 0,
+      kind: 'r',
+      groupAffinity: false,
+    });
+    expect(late.status).toBe('exhausted');
+    expect(await api.stats('undone-first')).toEqual({ total: 2, free: 2, held: 0, allocated: 0 });
   });
 
   it('undoing a keyed reserve changes nothing once a retry with the key was answered with it (a replay)', async () => {

@@ -14,6 +14,10 @@ local idem_key, body_hash, idem_ttl = ARGV[9], ARGV[10], tonumber(ARGV[11])
 local attr_json, prefix, affinity, grace = ARGV[12], ARGV[13], ARGV[14] == '1', tonumber(ARGV[15])
 local now = now_ms()
 
+-- A record under this id already: the reserve was undone before it arrived (release.lua), as its caller got no
+-- answer. It holds nothing.
+if redis.call('EXISTS', base .. 'r:' .. rid) == 1 then return { 'exhausted' } end
+
 if idem_key ~= '' then
   local prev = redis.call('GET', base .. 'idem:' .. idem_key)
   if prev then
