@@ -227,7 +227,7 @@ export class HoldStore implements OnApplicationShutdown {
       // it. An undo that runs first leaves a record that keeps the reserve, should it still arrive, from
       // holding anything. Its Idempotency-Key, if it names it, is forgotten, so that a retry with the key makes
       // a new reservation rather than replay a released one.
-      if (err instanceof DomainError && err.code === ErrorCode.DEPENDENCY_UNAVAILABLE) {
+      if (err instanceof DomainError && err.code === ErrorCode.DEPENDENCY_UNAVAILABLE && !neverSent(err)) {
         await this.undoReserve(pool, req.reservationId, req.idempotencyKey).catch(() => this.undoLater(pool, req));
       }
       throw err;
@@ -501,6 +501,12 @@ export class HoldStore implements OnApplicationShutdown {
     const refusal = evictionRefusal(new URL(this.config.REDIS_URL), evictionPolicyOf(info));
     if (refusal) throw new Error(refusal);
   }
+}
+
+/** A command ioredis refused to send (no connection, and no offline queue): it never reached Redis. */
+function neverSent(err: DomainError): boolean {
+  const cause = (err as { cause?: unknown }).cause;
+  return cause instanceof Error && cause.message.startsWith("Stream isn't writeable");
 }
 
 export function compareIds(a: string, b: string): number {

@@ -153,6 +153,23 @@ describe('a reserve that got no answer in time', () => {
     undoFails.mockRestore();
   });
 
+  it('a reserve that was never sent (no connection: ioredis refuses it at once) is answered 503 and needs no undo', async () => {
+    await seedPool(api, 'never-sent', numbers(1));
+    const client = api.app.get<Redis>(REDIS) as unknown as Record<string, (...args: unknown[]) => Promise<unknown>>;
+    const refused = vi
+      .spyOn(client, 'rp_reserve')
+      .mockRejectedValueOnce(new Error("Stream isn't writeable and enableOfflineQueue options is false"));
+    const undo = vi.spyOn(api.app.get(HoldStore), 'undoReserve');
+    try {
+      expect((await api.post('/v1/pools/never-sent/reservations', { owner: 'buyer' })).status).toBe(503);
+      expect(refused).toHaveBeenCalled();
+      expect(undo).not.toHaveBeenCalled();
+    } finally {
+      refused.mockRestore();
+      undo.mockRestore();
+    }
+  });
+
   it('a reserve that reaches Redis after its undo (the undo went first, on another connection) holds nothing', async () => {
     await seedPool(api, 'undone-first', numbers(2));
     const holds = api.app.get(HoldStore);
