@@ -297,10 +297,10 @@ export class HoldStore implements OnApplicationShutdown {
   }
 
   /**
-   * Undoes a reserve that got no answer: releases it, and forgets its Idempotency-Key if the key names it. With
-   * a key, a retry that was answered with the reservation meanwhile (a replay) keeps it: nothing changes. Before
-   * the reserve has run, it leaves a released record under the reservation's id, which the reserve then refuses.
-   * Idempotent; sent once (a retry is the upkeep's, see undoLater).
+   * Undoes a reserve request that got no answer: the reservation it made or was answered with (a replay of its
+   * Idempotency-Key) is released, and the key forgotten, once no other request that may have been answered with
+   * it is left (release.lua). Before the reserve has run, it leaves a released record under the request's id,
+   * which the reserve then refuses. Idempotent; sent once (a retry is the upkeep's, see undoLater).
    */
   async undoReserve(pool: string, reservationId: string, idempotencyKey: string | undefined): Promise<void> {
     await this.script<string[]>('release', pool, [reservationId, this.retentionMs, '', '1', idempotencyKey ?? ''], false);

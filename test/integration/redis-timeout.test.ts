@@ -188,6 +188,34 @@ describe('a reserve that got no answer in time', () => {
     expect(await api.stats('undone-first')).toEqual({ total: 2, free: 2, held: 0, allocated: 0 });
   });
 
+  it('a keyed reserve and its retry with the same key, both answered 503, leave nothing held', async () => {
+    await seedPool(api, 'twice', numbers(2), { maxHoldsPerOwner: 1 });
+    const body = { owner: 'buyer', count: 1, ttlMs: 600_000 };
+    const headers = { 'idempotency-key': 'order-42' };
+    // Redis runs: the reserve (it makes the reservation), the retry (a replay of it), then both undos.
+    const client = new Redis(own.url);
+    const spin = `local t = redis.call('TIME'); local s = t[1] * 1000 + t[2] / 1000
+      repeat local n = redis.call('TIME') until n[1] * 1000 + n[2] / 1000 - s > tonumber(ARGV[1])
+      return 1`;
+    let answers: HttpAnswer[];
+    try {
+      await client.ping();
+      const busy = client.eval(spin, 0, 800);
+      await sleep(50);
+      const first = api.post('/v1/pools/twice/reservations', body, headers);
+      await sleep(30); // the client's retry (its own timeout was shorter)
+      const retry = api.post('/v1/pools/twice/reservations', body, headers);
+      answers = await Promise.all([first, retry]);
+      await busy;
+    } finally {
+      client.disconnect();
+    }
+    expect(answers.map((a) => a.status)).toEqual([503, 503]);
+    await eventually(async () => (await api.stats('twice')).held === 0, 3000);
+    expect(await api.stats('twice')).toEqual({ total: 2, free: 2, held: 0, allocated: 0 });
+    expect((await api.post('/v1/pools/twice/reservations', body, headers)).status).toBe(201);
+  });
+
   it('undoing a keyed reserve changes nothing once a retry with the key was answered with it (a replay)', async () => {
     // The order a retry through another instance can take: Redis, busy past both timeouts, runs that
     // instance's replay before the undo this one sent.

@@ -3,27 +3,42 @@
 -- A reservation that once started a commit (it has an epoch) is released only once Postgres has
 -- recorded that epoch as given up (ARGV 4 = the epoch so decided): its commit may have landed unseen.
 -- ARGV: 1 base, 2 rid, 3 retention ms, 4 epoch decided 'abort' in Postgres ("" = none), 5 "1": the undoing of a
---       reserve that got no answer ("" = a release), 6 that reserve's Idempotency-Key ("" = none)
--- An undo changes nothing once a retry with the key was answered with the reservation (reserve's replay), forgets
--- the key if it names this reservation, and, when the reserve has not run (yet), leaves a released record under its
--- id, which reserve refuses: a reserve that arrives after its undo holds nothing.
+--       reserve request that got no answer, whose id is rid ("" = a release), 6 that request's Idempotency-Key
+--       ("" = none)
+-- An undo: the request's own record, if its reserve has not run (yet), becomes a released one, which reserve
+-- refuses: a reserve that arrives after its undo holds nothing. The reservation it made or was answered with (the
+-- one its key names; without a key, its own) is released, and the key forgotten, once no request that may have
+-- been answered with it is left: its `rq` field lists them (absent: only the request that made it), a replay adds
+-- itself, an undo takes its request out. A request that was answered is never undone, so the reservation stays.
 -- Returns: {"released", ...reservation} | {"confirmed", ...reservation} | {"busy"} (a confirm is committing)
---          | {"undecided", epoch} | {"missing"} | {"replayed"}
+--          | {"undecided", epoch} | {"missing"} | {"answered"} (an undo: another request may have the reservation)
 local base, rid, retention, decided = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
 local undo, idem_key = ARGV[5] == '1', ARGV[6]
 local rkey = base .. 'r:' .. rid
 if undo then
-  if redis.call('HGET', rkey, 'rp') then return { 'replayed' } end
-  if idem_key ~= '' then
-    local ikey = base .. 'idem:' .. idem_key
-    local named = redis.call('GET', ikey)
-    if named and string.sub(named, 1, #rid + 1) == rid .. '\n' then redis.call('DEL', ikey) end
-  end
   if redis.call('EXISTS', rkey) == 0 then
     redis.call('HSET', rkey, 's', 'released')
     redis.call('PEXPIRE', rkey, retention)
-    return { 'missing' }
   end
+  local ikey, target = nil, rid
+  if idem_key ~= '' then
+    ikey = base .. 'idem:' .. idem_key
+    local named = redis.call('GET', ikey)
+    if not named then return { 'missing' } end
+    target = string.sub(named, 1, string.find(named, '\n', 1, true) - 1)
+  end
+  local tkey = base .. 'r:' .. target
+  local left = {}
+  for requester in string.gmatch(redis.call('HGET', tkey, 'rq') or target, '%S+') do
+    if requester ~= rid then left[#left + 1] = requester end
+  end
+  if #left > 0 then
+    redis.call('HSET', tkey, 'rq', table.concat(left, ' '))
+    return { 'answered' }
+  end
+  redis.call('HSET', tkey, 'rq', '')
+  if ikey then redis.call('DEL', ikey) end
+  rid, rkey = target, tkey
 end
 local r = read_reservation(rkey)
 local now = now_ms()

@@ -26,8 +26,9 @@ if idem_key ~= '' then
     local prid = string.sub(prev, 1, sep - 1)
     local prkey = base .. 'r:' .. prid
     if redis.call('EXISTS', prkey) == 1 then
-      -- Someone is answered with it now: a reserve undone after a timeout (release with the key) must keep it.
-      redis.call('HSET', prkey, 'rp', '1')
+      -- This request may be answered with it now: the undo of every other request answered with it must keep it
+      -- (release.lua, `rq`: the requests that may have it; absent, only the one that made it).
+      redis.call('HSET', prkey, 'rq', (redis.call('HGET', prkey, 'rq') or prid) .. ' ' .. rid)
       return reservation_reply('replay', prid, prkey, now)
     end
   end
