@@ -451,9 +451,19 @@ export class HoldStore implements OnApplicationShutdown {
    * midway, and part of the free index may be missing) or `rebuilt`.
    */
   async rebuildState(): Promise<'missing' | 'unfinished' | 'rebuilt'> {
-    const marker = await this.command(() => this.redis.get(markerKey(this.prefix)));
+    const marker = await this.marker();
     if (marker === null) return 'missing';
     return marker.includes(REBUILDING) ? 'unfinished' : 'rebuilt';
+  }
+
+  /** The rebuilt-marker's value, or null. */
+  async marker(): Promise<string | null> {
+    return this.command(() => this.redis.get(markerKey(this.prefix)));
+  }
+
+  /** True while the key of this rebuild round is there: Redis was not wiped since the round began. */
+  async rebuildRoundKeyPresent(run: string): Promise<boolean> {
+    return (await this.command(() => this.redis.exists(rebuildRunKey(this.prefix, run)))) === 1;
   }
 
   /** Writes the rebuilt-marker with this value. */

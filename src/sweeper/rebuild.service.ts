@@ -66,8 +66,16 @@ export class RebuildService {
       // generation again would fence the holds taken on its rebuild.
       if (reason === 'wiped' && (await this.holds.markerPresent())) return 0;
       // Likewise, an unfinished rebuild another instance has finished since. One that is still unfinished is
-      // done again in the current generation (the rebuild that began it bumped it, if it had to), as at start-up.
-      if (reason === 'unfinished' && (await this.holds.rebuildState()) !== 'unfinished') return 0;
+      // done again in the current generation, as at start-up. When its last round began after a wipe (it bumped
+      // the generation: `fresh`) and its round key is still there (no wipe since), the pools it had not given
+      // the generation yet get it now: they hold nothing, and a bump would fence the holds taken since.
+      let adopt = false;
+      if (reason === 'unfinished') {
+        const marker = await this.holds.marker();
+        if (marker === null || !marker.includes(REBUILDING)) return 0;
+        const deadRound = marker.slice(marker.indexOf(REBUILDING) + REBUILDING.length);
+        adopt = deadRound.endsWith(':fresh') && (await this.holds.rebuildRoundKeyPresent(deadRound));
+      }
       // No marker: Redis was wiped, or this version's key layout is new to it (the marker's name changed).
       if (reason === 'wiped') await this.holds.dropLegacyAttributeSets(() => this.renewLease());
       let added = 0;
@@ -80,7 +88,7 @@ export class RebuildService {
         // The marker tells the sweepers Redis holds rebuilt state. Whether Redis was wiped during this round, only
         // the round's own key tells: the marker's value may be another instance's (one that stalled past its
         // lease may still write it), and taking that for a wipe would bump the generation for nothing.
-        const run = `${this.instanceId}:${started}:${round}`;
+        const run = `${this.instanceId}:${started}:${round}:${fresh ? 'fresh' : 'current'}`;
         roundMarker = `${generation}${REBUILDING}${run}`;
         await this.holds.startRebuildRound(run, roundMarker);
         const pools = await this.catalog.all();
@@ -88,8 +96,8 @@ export class RebuildService {
         // the current generation only over an existing key: a missing one means Redis was wiped after this
         // rebuild began, and holds taken on what it adds now would be fenced by the bump that must follow.
         let intact = true;
-        for (const pool of pools)
-          intact = (await this.holds.setGeneration(pool.name, generation, fresh ? 'always' : 'ifPresent')) && intact;
+        const mode = fresh || (adopt && round === 1) ? 'always' : 'ifPresent';
+        for (const pool of pools) intact = (await this.holds.setGeneration(pool.name, generation, mode)) && intact;
         if (!intact) {
           await this.holds.endRebuildRound(run);
           this.logger.warn('a pool has no Redis generation: Redis was wiped; rebuilding in a new generation');

@@ -7,7 +7,7 @@ import { RebuildService } from '../../src/sweeper/rebuild.service.js';
 import { SweeperService } from '../../src/sweeper/sweeper.service.js';
 import { ResourceRepository } from '../../src/database/resource.repository.js';
 import { GenerationRepository } from '../../src/database/generation.repository.js';
-import { markerKey, poolKeys } from '../../src/redis/keys.js';
+import { markerKey, poolKeys, rebuildRunKey } from '../../src/redis/keys.js';
 import { HoldStore, READ_MAX_AGE_MS, TOMBSTONE_MS } from '../../src/redis/hold-store.repository.js';
 import { TestInstance, TestWorld, eventually, numbers, seedPool, staleReadAt } from '../support/harness.js';
 import { deleteKeys } from '../support/services.js';
@@ -272,6 +272,46 @@ describe('rebuild of Redis from Postgres, one instance at a time', () => {
     expect(await a.app.get(HoldStore).rebuildState()).toBe('rebuilt');
     // In the generation it began in: holds taken since it began stay valid.
     expect(await world.query(`SELECT gen::text AS gen FROM t_redis_generation`)).toEqual([{ gen }]);
+  });
+
+  it('finishing a rebuild that died while giving the pools a new generation (after a wipe) gives the rest that generation: live holds stay valid', async () => {
+    await seedPool(a, 'live-hold', numbers(2));
+    await seedPool(a, 'no-generation-yet', numbers(2));
+    const held = await a.post('/v1/pools/live-hold/reservations', { owner: 'buyer', count: 1, ttlMs: 600_000 });
+    expect(held.status).toBe(201);
+    const [{ gen }] = await world.query(`SELECT gen::text AS gen FROM t_redis_generation`);
+    const client = new (await import('ioredis')).Redis(a.config.REDIS_URL);
+    try {
+      // What a round after a wipe (it bumped the generation) leaves when it dies inside its loop over the pools'
+      // generation keys: its marker, its round key, and a pool without a key yet (nothing in it can be held).
+      const round = 'dead-instance:0:1:fresh';
+      await client.set(markerKey(world.prefix), `${gen} rebuilding:${round}`);
+      await client.set(rebuildRunKey(world.prefix, round), '1');
+      await client.del(poolKeys(world.prefix, 'no-generation-yet').generation);
+    } finally {
+      client.disconnect();
+    }
+    await eventually(async () => (await a.stats('no-generation-yet')).free === 2, 5000);
+    await eventually(async () => (await a.app.get(HoldStore).rebuildState()) === 'rebuilt', 5000);
+    expect(await world.query(`SELECT gen::text AS gen FROM t_redis_generation`)).toEqual([{ gen }]);
+    const confirm = await a.post(`/v1/reservations/${held.body.id}/confirm`, { resourceIds: [held.body.items[0].resourceId] });
+    expect(confirm.status).toBe(200);
+  });
+
+  it('finishing an unfinished rebuild that finds a pool without a generation key, with no sign it died mid-way through them, rebuilds in a new generation', async () => {
+    await seedPool(a, 'key-lost', numbers(2));
+    const [{ gen }] = await world.query(`SELECT gen::int AS gen FROM t_redis_generation`);
+    const client = new (await import('ioredis')).Redis(a.config.REDIS_URL);
+    try {
+      // A round in the current generation (no bump) whose round key is gone: the missing key may be a wipe's.
+      await client.set(markerKey(world.prefix), `${gen} rebuilding:dead-instance:0:1:current`);
+      await client.del(poolKeys(world.prefix, 'key-lost').generation);
+    } finally {
+      client.disconnect();
+    }
+    await eventually(async () => (await a.app.get(HoldStore).rebuildState()) === 'rebuilt', 5000);
+    expect(await world.query(`SELECT gen::int AS gen FROM t_redis_generation`)).toEqual([{ gen: gen + 1 }]);
+    expect((await a.stats('key-lost')).free).toBe(2);
   });
 
   it('a rebuild that stalled past its lease cannot bump the generation: the bump renews the lease in its transaction', async () => {
