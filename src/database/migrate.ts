@@ -68,11 +68,18 @@ export async function runMigrations(config: AppConfig): Promise<string[]> {
     return await migrate(config);
   } catch (err) {
     // A statement Postgres refused (a user that may not create tables, say) or an outage midway: one line
-    // that says where, not a driver's stack.
+    // that says where, not a driver's stack. Anything else (a bug in a migration) keeps its stack.
     const url = new URL(config.DATABASE_URL);
-    throw isPostgresOutage(err)
-      ? unreachable('Postgres', url, 5432, err, 'to migrate')
-      : refused('Postgres', url, 5432, 'a migration', err);
+    const e = err as { code?: unknown; driverError?: { code?: unknown }; message?: unknown } | null;
+    const code = e?.driverError?.code ?? e?.code;
+    const answered = typeof code === 'string' && /^[0-9A-Z]{5}$/.test(code);
+    const lost = (typeof code === 'string' && code.startsWith('E')) || /connect|terminated|timeout/i.test(String(e?.message ?? ''));
+    if (answered || lost) {
+      throw isPostgresOutage(err)
+        ? unreachable('Postgres', url, 5432, err, 'to migrate')
+        : refused('Postgres', url, 5432, 'a migration', err);
+    }
+    throw err;
   }
 }
 
