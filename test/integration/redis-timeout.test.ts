@@ -69,7 +69,7 @@ describe('a reserve that got no answer in time', () => {
   });
 
   /** `request` sent while Redis is busy for `ms` (a long script elsewhere, a stalled disk); its answer once Redis is free. */
-  async function whileRedisBusy(ms: number, request: () => Promise<HttpAnswer>): Promise<HttpAnswer> {
+  async function whileRedisBusy<T = HttpAnswer>(ms: number, request: () => Promise<T>): Promise<T> {
     const client = new Redis(own.url);
     const spin = `local t = redis.call('TIME'); local s = t[1] * 1000 + t[2] / 1000
       repeat local n = redis.call('TIME') until n[1] * 1000 + n[2] / 1000 - s > tonumber(ARGV[1])
@@ -193,23 +193,12 @@ describe('a reserve that got no answer in time', () => {
     const body = { owner: 'buyer', count: 1, ttlMs: 600_000 };
     const headers = { 'idempotency-key': 'order-42' };
     // Redis runs: the reserve (it makes the reservation), the retry (a replay of it), then both undos.
-    const client = new Redis(own.url);
-    const spin = `local t = redis.call('TIME'); local s = t[1] * 1000 + t[2] / 1000
-      repeat local n = redis.call('TIME') until n[1] * 1000 + n[2] / 1000 - s > tonumber(ARGV[1])
-      return 1`;
-    let answers: HttpAnswer[];
-    try {
-      await client.ping();
-      const busy = client.eval(spin, 0, 800);
-      await sleep(50);
+    const answers = await whileRedisBusy(800, async () => {
       const first = api.post('/v1/pools/twice/reservations', body, headers);
       await sleep(30); // the client's retry (its own timeout was shorter)
       const retry = api.post('/v1/pools/twice/reservations', body, headers);
-      answers = await Promise.all([first, retry]);
-      await busy;
-    } finally {
-      client.disconnect();
-    }
+      return Promise.all([first, retry]);
+    });
     expect(answers.map((a) => a.status)).toEqual([503, 503]);
     await eventually(async () => (await api.stats('twice')).held === 0, 3000);
     expect(await api.stats('twice')).toEqual({ total: 2, free: 2, held: 0, allocated: 0 });
