@@ -38,7 +38,8 @@ export class CommitService {
     private readonly generations: GenerationRepository,
   ) {}
 
-  async commit(pool: PoolEntity, reservationId: string, resourceIds: string[]): Promise<CommitOutcome> {
+  /** `again`: this is the one more try of a commit the sweeper gave up while it was slow (see allocate). */
+  async commit(pool: PoolEntity, reservationId: string, resourceIds: string[], again = false): Promise<CommitOutcome> {
     const selection = [...resourceIds].sort(compareIds);
     const pin = await this.holds.pin(pool.name, reservationId, selection, this.config.COMMIT_WINDOW_MS);
     switch (pin.status) {
@@ -60,11 +61,11 @@ export class CommitService {
       case 'confirmed':
         return sameSelection(pin.reservation.outcome as unknown as CommitOutcome, selection);
       case 'pinned':
-        return this.allocate(pool, pin.reservation, selection);
+        return this.allocate(pool, pin.reservation, selection, again);
     }
   }
 
-  private async allocate(pool: PoolEntity, r: StoredReservation, selection: string[]): Promise<CommitOutcome> {
+  private async allocate(pool: PoolEntity, r: StoredReservation, selection: string[], again: boolean): Promise<CommitOutcome> {
     const chosen = new Set(selection);
     const picked = r.items.filter((i) => chosen.has(i.id)).sort((a, b) => compareIds(a.id, b.id));
     const outcome: CommitOutcome = {
@@ -109,6 +110,11 @@ export class CommitService {
       return sameSelection(committed, selection);
     }
     if (result === 'decided') {
+      // The commit outlasted its window (Postgres slow), and the sweeper gave its epoch up: nothing landed. The
+      // hold may well be due still, and API.md promises such a confirm success: once more, in a new epoch (the
+      // window is over, so the pin starts one). Its items are still this reservation's unless its hold ran out
+      // and someone took them (then HOLD_LOST, as it should be).
+      if (!again) return this.commit(pool, r.id, selection, true);
       this.metrics.confirmConflicts.inc({ reason: 'commit_window_passed' });
       throw new DomainError(
         ErrorCode.HOLD_LOST,

@@ -5,6 +5,7 @@ import { ResourceRepository } from '../../src/database/resource.repository.js';
 import { toCachedItem } from '../../src/pools/pools.service.js';
 import { HoldStore } from '../../src/redis/hold-store.repository.js';
 import { CommitService } from '../../src/reservations/commit.service.js';
+import { DomainError } from '../../src/common/errors.js';
 import { TestInstance, TestWorld, eventually, numbers, seedPool, sleep, stalledConfirm, staleReadAt } from '../support/harness.js';
 
 // Invariants 1 and 3 when a commit landed in Postgres but its caller never saw the answer (the instance
@@ -137,6 +138,63 @@ describe('commits whose outcome the caller never saw', () => {
     ).toEqual([
       { id: chosen, owner: 'buyer' },
       { id: other, owner: 'buyer2' },
+    ]);
+  });
+
+  it('invariant 4 with Postgres down: the items a confirm answered 503 did not choose are free within 2 s of the expiry', async () => {
+    const quick = await world.start({ COMMIT_WINDOW_MS: '1000', RECONCILE_INTERVAL_MS: '0' });
+    await seedPool(quick, 'pg-down-flow', numbers(3, '1391000'));
+    const r = await quick.post('/v1/pools/pg-down-flow/reservations', { owner: 'buyer', count: 3, ttlMs: 1000 });
+    const [chosen, ...others] = r.body.items.map((i: { resourceId: string }) => i.resourceId);
+    // Postgres cannot be reached: the confirm (and its retry) get no answer, and neither does the settling of it.
+    const down = () => Promise.reject(DomainError.unavailable('postgres', new Error('connect ECONNREFUSED 127.0.0.1:5432')));
+    const allocate = vi.spyOn(quick.app.get(ResourceRepository), 'allocate').mockImplementation(down);
+    const settle = vi.spyOn(quick.app.get(CommitService), 'recoverStalled').mockImplementation(down);
+    try {
+      expect((await quick.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [chosen] })).status).toBe(503);
+      await sleep(Math.max(0, Date.parse(r.body.expiresAt) - Date.now()) + 2000);
+      // The chosen item waits for Postgres (its commit may have landed unseen); the two others need not.
+      const next = await quick.post('/v1/pools/pg-down-flow/reservations', { owner: 'next', count: 2 });
+      expect(next.status, JSON.stringify(next.body)).toBe(201);
+      expect(next.body.items.map((i: { resourceId: string }) => i.resourceId).sort()).toEqual([...others].sort());
+      expect((await quick.post('/v1/pools/pg-down-flow/reservations', { owner: 'third', count: 1 })).status).toBe(409);
+    } finally {
+      allocate.mockRestore();
+      settle.mockRestore();
+    }
+    // Postgres back: the sweeper settles the commit, which never landed, and the chosen item is free too.
+    await eventually(
+      async () => (await quick.post('/v1/pools/pg-down-flow/reservations', { owner: 'third', count: 1 })).status === 201,
+      5000,
+    );
+  });
+
+  it('a confirm inside its hold whose commit outlasted its window (Postgres slow, the sweeper gave it up) commits in a new epoch: 200', async () => {
+    const quick = await world.start({ COMMIT_WINDOW_MS: '1000', RECONCILE_INTERVAL_MS: '0' });
+    await seedPool(quick, 'slow-commit', numbers(2, '1392000'));
+    const r = await quick.post('/v1/pools/slow-commit/reservations', { owner: 'buyer', count: 2, ttlMs: 60_000 });
+    const chosen = r.body.items[0].resourceId;
+    const resources = quick.app.get(ResourceRepository);
+    const allocate = resources.allocate.bind(resources);
+    // The first commit reaches Postgres after its window, once the sweeper has decided to give its epoch up.
+    const slow = vi.spyOn(resources, 'allocate').mockImplementationOnce(async (allocation) => {
+      await sleep(1200);
+      await resources.decideAbort(allocation.reservationId, allocation.epoch);
+      return allocate(allocation);
+    });
+    try {
+      const confirmed = await quick.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [chosen] });
+      expect(confirmed.status, JSON.stringify(confirmed.body)).toBe(200);
+      expect(slow).toHaveBeenCalledTimes(2);
+    } finally {
+      slow.mockRestore();
+    }
+    expect(await world.query(`SELECT owner, state FROM t_resource WHERE id = $1`, [chosen])).toEqual([{ owner: 'buyer', state: 2 }]);
+    expect(
+      await world.query(`SELECT epoch, decision FROM t_commit_decision WHERE reservation_id = $1 ORDER BY epoch`, [r.body.id]),
+    ).toEqual([
+      { epoch: 1, decision: 'abort' },
+      { epoch: 2, decision: 'commit' },
     ]);
   });
 
