@@ -170,6 +170,23 @@ describe('reservations', () => {
     expect(met).toBeGreaterThan(0);
   });
 
+  it('an item met behind a wrong entry and then taken under its own entry by the same walk is not indexed again: it is held', async () => {
+    await seedPool(api, 'met-twice', [
+      { value: '138a', attributes: { city: 'bj' } },
+      { value: '138b', attributes: { city: 'bj' } },
+    ]);
+    const redis = api.app.get<Redis>(REDIS);
+    const keys = poolKeys(world.prefix, 'met-twice');
+    const [{ id }] = await world.query(`SELECT id::text AS id FROM t_resource WHERE value = '138a'`);
+    // An entry naming another value for the item, which sorts before its own: one window meets both, in this order.
+    await redis.zadd(keys.attribute('city', 'bj'), 0, freeMember('138', id));
+    const r = await reserve('met-twice', { owner: 'u', count: 2, filter: { attributes: { city: 'bj' }, valuePrefix: '138' } });
+    expect(r.status).toBe(201);
+    expect(await redis.zcard(keys.free)).toBe(0);
+    expect(await redis.zcard(keys.attribute('city', 'bj'))).toBe(0);
+    expect(await api.stats('met-twice')).toEqual({ total: 2, free: 0, held: 2, allocated: 0 });
+  });
+
   it('confirm is idempotent; a different selection afterwards is RESERVATION_CLOSED', async () => {
     await seedPool(api, 'idem-confirm', numbers(3));
     const r = await reserve('idem-confirm', { owner: 'payer', count: 3 });

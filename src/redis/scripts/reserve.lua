@@ -221,7 +221,12 @@ if attr_json ~= '' then
         if lost > 0 then shifts[#shifts + 1] = { nominal, lost } end
       end
     end
-    index_all(base, reindex_later)
+    -- Not one this walk has taken since, under its own entry: it is held now (by this reservation).
+    local unheld = {}
+    for _, item in ipairs(reindex_later) do
+      if redis.call('EXISTS', base .. 'h:' .. item.id) == 0 then unheld[#unheld + 1] = item end
+    end
+    index_all(base, unheld)
     reindex_later = nil
   end
 elseif prefix ~= '' then
