@@ -14,7 +14,7 @@ import { createPino, PinoLoggerService } from './common/logger.js';
 import { DomainError, errorBody, ErrorCode, HTTP_STATUS } from './common/errors.js';
 import { MAX_PARAM_LENGTH, clientErrorResponse, mapError } from './common/http-errors.js';
 import { RateLimiter } from './common/rate-limiter.js';
-import { AppConfig } from './config/app-config.js';
+import { AppConfig, expiryBudgetWarning } from './config/app-config.js';
 import { runMigrations } from './database/migrate.js';
 import { unreachable } from './common/dependency-errors.js';
 import { MetricsService } from './metrics/metrics.service.js';
@@ -77,6 +77,8 @@ export async function createApp(config: AppConfig, options: { logger?: boolean }
     },
   });
   const log = createPino(config.LOG_LEVEL);
+  const expiryWarning = expiryBudgetWarning(config);
+  if (expiryWarning && options.logger !== false) log.warn(expiryWarning);
   const app = await NestFactory.create<NestFastifyApplication>(AppModule.forRoot(config), adapter, {
     logger: options.logger === false ? false : new PinoLoggerService(log),
     abortOnError: false,

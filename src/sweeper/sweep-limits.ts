@@ -14,3 +14,10 @@ export const SWEEP_BATCH = 100;
  */
 export const SWEEP_WORK_BUDGET = 2_000;
 export const MAX_BATCHES_PER_TICK = 200;
+/**
+ * Pools swept at once by one instance. A pass over the pools one after the other costs a Redis round trip per
+ * pool at least, so with hundreds of pools (and round trips slowed by load) a pass alone outgrew the 2 s in
+ * which an expired item must be free again. Side by side, ioredis sends the calls together; each is one short
+ * script (SWEEP_BATCH, SWEEP_WORK_BUDGET), so Redis still serves other requests between them.
+ */
+export const SWEEP_CONCURRENCY = 16;

@@ -8,7 +8,7 @@ import { PoolsService } from '../pools/pools.service.js';
 import { HoldStore } from '../redis/hold-store.repository.js';
 import { CommitService } from '../reservations/commit.service.js';
 import { RebuildService } from './rebuild.service.js';
-import { MAX_BATCHES_PER_TICK, SWEEP_BATCH, SWEEP_WORK_BUDGET } from './sweep-limits.js';
+import { MAX_BATCHES_PER_TICK, SWEEP_BATCH, SWEEP_CONCURRENCY, SWEEP_WORK_BUDGET } from './sweep-limits.js';
 
 const POOL_LIST_REFRESH_MS = 2000;
 const WIPE_CHECK_MIN_GAP_MS = 500;
@@ -79,27 +79,40 @@ export class SweeperService implements OnApplicationBootstrap, OnModuleDestroy {
     await this.upkeep();
   }
 
-  /** Every known pool's expired holds, in batches until a pool has nothing due (bounded), each pool on its own. */
+  /**
+   * Every known pool's expired holds, in batches until a pool has nothing due (bounded), each pool on its own,
+   * SWEEP_CONCURRENCY pools at a time, starting at a pool picked at random (so that no pool always comes last on
+   * every instance).
+   */
   async sweep(): Promise<void> {
     this.failed.sweep = false;
-    for (const pool of this.catalog.known()) {
-      try {
-        for (let batch = 0; batch < MAX_BATCHES_PER_TICK; batch++) {
-          const swept = await this.holds.sweep(pool.name, SWEEP_BATCH, this.config.COMMIT_WINDOW_MS, SWEEP_WORK_BUDGET);
-          if (swept.expiredReservations > 0) {
-            this.metrics.expiredHolds.inc({ pool: pool.name }, swept.expiredReservations);
-            this.logger.debug(`${pool.name}: ${swept.expiredReservations} expired holds, ${swept.freedItems} items freed`);
-          }
-          for (const rid of swept.stalled) {
-            if (this.stalled.size < MAX_STALLED_QUEUED) this.stalled.set(`${pool.name}\n${rid}`, { pool, rid });
-          }
-          if (!swept.more) break;
-        }
-      } catch (err) {
-        this.warn('sweep', `sweep of ${pool.name}`, err);
-      }
-    }
+    const known = this.catalog.known();
+    const start = Math.floor(Math.random() * known.length);
+    const order = [...known.slice(start), ...known.slice(0, start)];
+    let next = 0;
+    const worker = async () => {
+      while (next < order.length) await this.sweepPool(order[next++]);
+    };
+    await Promise.all(Array.from({ length: Math.min(SWEEP_CONCURRENCY, order.length) }, worker));
     this.forgetWarnings();
+  }
+
+  private async sweepPool(pool: PoolEntity): Promise<void> {
+    try {
+      for (let batch = 0; batch < MAX_BATCHES_PER_TICK; batch++) {
+        const swept = await this.holds.sweep(pool.name, SWEEP_BATCH, this.config.COMMIT_WINDOW_MS, SWEEP_WORK_BUDGET);
+        if (swept.expiredReservations > 0) {
+          this.metrics.expiredHolds.inc({ pool: pool.name }, swept.expiredReservations);
+          this.logger.debug(`${pool.name}: ${swept.expiredReservations} expired holds, ${swept.freedItems} items freed`);
+        }
+        for (const rid of swept.stalled) {
+          if (this.stalled.size < MAX_STALLED_QUEUED) this.stalled.set(`${pool.name}\n${rid}`, { pool, rid });
+        }
+        if (!swept.more) break;
+      }
+    } catch (err) {
+      this.warn('sweep', `sweep of ${pool.name}`, err);
+    }
   }
 
   /**

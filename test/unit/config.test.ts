@@ -1,5 +1,5 @@
 import { describe, expect, it } from 'vitest';
-import { ConfigError, loadConfig } from '../../src/config/app-config.js';
+import { ConfigError, expiryBudgetWarning, loadConfig } from '../../src/config/app-config.js';
 
 describe('loadConfig', () => {
   it('applies the documented defaults', () => {
@@ -28,6 +28,15 @@ describe('loadConfig', () => {
     const problems = (error as ConfigError).problems.map((p) => p.split('=')[0]).sort();
     expect(problems).toEqual(['DATABASE_URL', 'LOG_LEVEL', 'PORT', 'REDIS_URL']);
     expect((error as ConfigError).message).toContain('PORT="eighty"');
+  });
+
+  it('warns when the hold grace and the sweep interval leave too little of the 2 s expiry promise for a sweep pass', () => {
+    const base = { DATABASE_URL: 'postgres://x' };
+    expect(expiryBudgetWarning(loadConfig(base))).toBeNull(); // 500 + 250
+    expect(expiryBudgetWarning(loadConfig({ ...base, HOLD_GRACE_MS: '1000', SWEEP_INTERVAL_MS: '500' }))).toBeNull();
+    expect(expiryBudgetWarning(loadConfig({ ...base, HOLD_GRACE_MS: '1000', SWEEP_INTERVAL_MS: '1500' }))).toMatch(
+      /^HOLD_GRACE_MS \(1000\) \+ SWEEP_INTERVAL_MS \(1500\) = 2500 ms: expired items may take longer than the 2 s/,
+    );
   });
 
   it('refuses an idempotency TTL longer than the reservations are kept', () => {
