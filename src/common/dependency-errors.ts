@@ -12,12 +12,17 @@
 const PG_OUTAGE_STATE = /^(08[0-9A-Z]{3}|57P0[1-5]|53300|57014|55P03|25P03|40P01|40001)$/;
 const SQLSTATE = /^[0-9A-Z]{5}$/;
 
-/** A Postgres error is an outage unless the server answered with a SQLSTATE that blames the statement. */
-export function isPostgresOutage(err: unknown): boolean {
+/** The SQLSTATE Postgres answered with (a TypeORM error carries its driver's), or undefined when it did not answer. */
+export function sqlStateOf(err: unknown): string | undefined {
   const e = err as { code?: unknown; driverError?: { code?: unknown } } | null;
   const code = e?.driverError?.code ?? e?.code;
-  if (typeof code === 'string' && SQLSTATE.test(code)) return PG_OUTAGE_STATE.test(code);
-  return true;
+  return typeof code === 'string' && SQLSTATE.test(code) ? code : undefined;
+}
+
+/** A Postgres error is an outage unless the server answered with a SQLSTATE that blames the statement. */
+export function isPostgresOutage(err: unknown): boolean {
+  const code = sqlStateOf(err);
+  return code === undefined || PG_OUTAGE_STATE.test(code);
 }
 
 // Redis replies that mean "not now" rather than "wrong command".
@@ -44,8 +49,7 @@ export function endpoint(url: URL, defaultPort: number): { host: string; port: s
  */
 export function unreachable(dependency: string, url: URL, defaultPort: number, cause: unknown, why = ''): StartupError {
   const { host, port } = endpoint(url, defaultPort);
-  const e = cause as { code?: unknown; name?: unknown } | null;
-  const answered = (typeof e?.code === 'string' && SQLSTATE.test(e.code)) || e?.name === 'ReplyError';
+  const answered = sqlStateOf(cause) !== undefined || (cause as { name?: unknown } | null)?.name === 'ReplyError';
   const what = answered ? 'refused the connection' : 'cannot be reached';
   return new StartupError(`${dependency} at ${host}:${port} ${what}${why ? ` ${why}` : ''}: ${reasonOf(cause)}`);
 }

@@ -172,7 +172,6 @@ export class ConfigError extends Error {
   }
 }
 
-/** Reads and validates the whole configuration; every bad variable is reported at once. */
 /**
  * API.md: an expired reservation's items are free again within 2 s. The grace and the sweep interval are spent
  * inside those 2 s, before a sweep pass (tens of milliseconds, more with many pools under load): past 1.5 s
@@ -187,6 +186,7 @@ export function expiryBudgetWarning(config: AppConfig): string | null {
   );
 }
 
+/** Reads and validates the whole configuration; every bad variable is reported at once. */
 export function loadConfig(env: Record<string, string | undefined>): AppConfig {
   const known = Object.keys(new AppConfig());
   const given: Record<string, string> = {};

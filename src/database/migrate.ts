@@ -4,7 +4,7 @@ import pg from 'pg';
 import { DataSource, DataSourceOptions } from 'typeorm';
 import { AppConfig, loadConfig } from '../config/app-config.js';
 import { dataSourceOptions } from './data-source.js';
-import { isPostgresOutage, refused, unreachable } from '../common/dependency-errors.js';
+import { isPostgresOutage, refused, sqlStateOf, unreachable } from '../common/dependency-errors.js';
 
 const MIGRATION_LOCK = 7_361_905_021; // arbitrary, constant pg_advisory_lock key for respool migrations
 
@@ -70,10 +70,10 @@ export async function runMigrations(config: AppConfig): Promise<string[]> {
     // A statement Postgres refused (a user that may not create tables, say) or an outage midway: one line
     // that says where, not a driver's stack. Anything else (a bug in a migration) keeps its stack.
     const url = new URL(config.DATABASE_URL);
-    const e = err as { code?: unknown; driverError?: { code?: unknown }; message?: unknown } | null;
-    const code = e?.driverError?.code ?? e?.code;
-    const answered = typeof code === 'string' && /^[0-9A-Z]{5}$/.test(code);
-    const lost = (typeof code === 'string' && code.startsWith('E')) || /connect|terminated|timeout/i.test(String(e?.message ?? ''));
+    const e = err as { code?: unknown; message?: unknown } | null;
+    const answered = sqlStateOf(err) !== undefined;
+    // A socket's error (ECONNRESET...) or the driver's word for a connection that went away.
+    const lost = (typeof e?.code === 'string' && e.code.startsWith('E')) || /connect|terminated|timeout/i.test(String(e?.message ?? ''));
     if (answered || lost) {
       throw isPostgresOutage(err)
         ? unreachable('Postgres', url, 5432, err, 'to migrate')

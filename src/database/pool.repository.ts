@@ -1,7 +1,8 @@
 import { Injectable } from '@nestjs/common';
 import { DataSource } from 'typeorm';
 import { PoolEntity } from './entities.js';
-import { pg, sqlState } from './postgres.js';
+import { pg } from './postgres.js';
+import { sqlStateOf } from '../common/dependency-errors.js';
 
 export interface NewPool {
   name: string;
@@ -27,7 +28,7 @@ export class PoolRepository {
         const repo = this.db.getRepository(PoolEntity);
         return await repo.save(repo.create(pool));
       } catch (err) {
-        if (sqlState(err) === '23505') return null;
+        if (sqlStateOf(err) === '23505') return null;
         throw err;
       }
     });

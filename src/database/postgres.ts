@@ -10,9 +10,3 @@ export async function pg<T>(fn: () => Promise<T>): Promise<T> {
     throw isPostgresOutage(err) ? DomainError.unavailable('postgres', err) : err;
   }
 }
-
-export function sqlState(err: unknown): string | undefined {
-  const e = err as { code?: unknown; driverError?: { code?: unknown } };
-  const code = e?.driverError?.code ?? e?.code;
-  return typeof code === 'string' ? code : undefined;
-}

@@ -6,7 +6,8 @@ import { AppConfig } from '../config/app-config.js';
 import { Batcher } from './batcher.js';
 import { MAX_BATCHES_IN_FLIGHT, MAX_COMMITS_PER_BATCH } from './commit-batches.js';
 import { GENERATION_LOCK } from './generation.repository.js';
-import { pg, sqlState } from './postgres.js';
+import { pg } from './postgres.js';
+import { sqlStateOf } from '../common/dependency-errors.js';
 
 export interface ResourceRow {
   id: string;
@@ -80,7 +81,7 @@ export class ResourceRepository {
          RETURNING id::text AS id, value`,
         [poolId, sorted.map((i) => i.value), sorted.map((i) => JSON.stringify(i.attributes)), sorted.map((i) => i.groupKey)],
       );
-    return pg(() => insert().catch((err: unknown) => (sqlState(err) === '40P01' ? insert() : Promise.reject(err))));
+    return pg(() => insert().catch((err: unknown) => (sqlStateOf(err) === '40P01' ? insert() : Promise.reject(err))));
   }
 
   async findById(poolId: string, id: string): Promise<ResourceRow | null> {
@@ -122,7 +123,7 @@ export class ResourceRepository {
     } catch (err) {
       // Two batches can still deadlock on rows of stale holds; Postgres aborts one: run its commits alone,
       // one after the other (a deadlock of one of those is a 503: nothing was changed).
-      if (sqlState(err) !== '40P01' || batch.length === 1) throw err;
+      if (sqlStateOf(err) !== '40P01' || batch.length === 1) throw err;
       const answers: (AllocationResult | Error)[] = [];
       for (const a of batch) {
         answers.push(

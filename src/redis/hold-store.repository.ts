@@ -103,12 +103,11 @@ export const TOMBSTONE_MS = 60_000;
 export const OPEN_RECORD_MARGIN_MS = 86_400_000;
 /** A rebuild round's key outlives any round (a lingering one, of a round that died, expires). */
 const REBUILD_RUN_KEY_MS = 24 * 3600_000;
-/** The marker set to ARGV[2] only over ARGV[1] (Redis 7.0 has no SET ... IFEQ). */
 /** Reserves waiting to be undone at most (undoLater); past that, one is left to expire with its hold. */
 const MAX_PENDING_UNDOS = 10_000;
-
 /** In the marker's value while a rebuild round runs: `<generation> rebuilding:<run>`. */
 export const REBUILDING = ' rebuilding:';
+/** The marker set to ARGV[2] only over ARGV[1] (Redis 7.0 has no SET ... IFEQ). */
 const MARK_REBUILT = `if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('SET', KEYS[1], ARGV[2]) return 1 end return 0`;
 /** addFree adds nothing from a Postgres read older than this (Redis' clock), well inside a tombstone's life. */
 export const READ_MAX_AGE_MS = TOMBSTONE_MS / 2;
@@ -453,7 +452,7 @@ export class HoldStore implements OnApplicationShutdown {
   async rebuildState(): Promise<'missing' | 'unfinished' | 'rebuilt'> {
     const marker = await this.marker();
     if (marker === null) return 'missing';
-    return marker.includes(REBUILDING) ? 'unfinished' : 'rebuilt';
+    return unfinishedRound(marker) === null ? 'rebuilt' : 'unfinished';
   }
 
   /** The rebuilt-marker's value, or null. */
@@ -511,6 +510,12 @@ export class HoldStore implements OnApplicationShutdown {
     const refusal = evictionRefusal(new URL(this.config.REDIS_URL), evictionPolicyOf(info));
     if (refusal) throw new Error(refusal);
   }
+}
+
+/** The round of a rebuild the marker says is running or unfinished (`<generation> rebuilding:<round>`), or null. */
+export function unfinishedRound(marker: string | null): string | null {
+  const at = marker?.indexOf(REBUILDING) ?? -1;
+  return at < 0 ? null : marker!.slice(at + REBUILDING.length);
 }
 
 /** A command ioredis refused to send (no connection, and no offline queue): it never reached Redis. */

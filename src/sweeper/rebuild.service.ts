@@ -7,7 +7,7 @@ import { MetricsService } from '../metrics/metrics.service.js';
 import { PoolCatalog } from '../pools/pool-catalog.service.js';
 import { isStringRecord } from '../common/validators.js';
 import { toCachedItem } from '../pools/pools.service.js';
-import { HoldStore, REBUILDING } from '../redis/hold-store.repository.js';
+import { HoldStore, REBUILDING, unfinishedRound } from '../redis/hold-store.repository.js';
 
 const JOB = 'rebuild';
 const LEASE_MS = 30_000;
@@ -71,9 +71,8 @@ export class RebuildService {
       // the generation yet get it now: they hold nothing, and a bump would fence the holds taken since.
       let adopt = false;
       if (reason === 'unfinished') {
-        const marker = await this.holds.marker();
-        if (marker === null || !marker.includes(REBUILDING)) return 0;
-        const deadRound = marker.slice(marker.indexOf(REBUILDING) + REBUILDING.length);
+        const deadRound = unfinishedRound(await this.holds.marker());
+        if (deadRound === null) return 0;
         adopt = deadRound.endsWith(':fresh') && (await this.holds.rebuildRoundKeyPresent(deadRound));
       }
       // No marker: Redis was wiped, or this version's key layout is new to it (the marker's name changed).

@@ -52,15 +52,14 @@ export class TasksService {
 
   async heartbeat(leaseId: string, leaseMs: number | undefined): Promise<HeartbeatResultDto> {
     const pool = await this.leasePool(leaseId);
-    await this.assertLease(pool, leaseId);
+    await this.readLease(pool, leaseId);
     const lease = await this.reservations.extendHold(pool, leaseId, leaseMs ?? pool.holdTtlMs);
     return { leaseId, expiresAt: new Date(lease.expiresMs).toISOString() };
   }
 
   async complete(leaseId: string): Promise<TaskStateDto> {
     const pool = await this.leasePool(leaseId);
-    const stored = await this.holds.read(pool.name, leaseId);
-    if (stored && stored.kind !== 'l') throw notFound(leaseId);
+    const stored = await this.readLease(pool, leaseId);
     const resourceId = stored?.items[0]?.id;
     if (stored && resourceId) {
       const outcome = await this.committer.commit(pool, leaseId, [resourceId]);
@@ -75,7 +74,7 @@ export class TasksService {
 
   async abandon(leaseId: string): Promise<TaskStateDto> {
     const pool = await this.leasePool(leaseId);
-    await this.assertLease(pool, leaseId);
+    await this.readLease(pool, leaseId);
     const lease = await this.reservations.releaseHold(pool, leaseId);
     return { leaseId, resourceId: lease.items[0].id, state: 'abandoned' };
   }
@@ -89,12 +88,14 @@ export class TasksService {
   }
 
   /**
-   * A reservation made through /reservations on a task pool (of any count) is no lease: the task routes
-   * answer 404 for it, as for an unknown id. A record's kind never changes, so reading it first is safe.
+   * The lease's record in Redis, or null when Redis no longer has it. A reservation made through /reservations
+   * on a task pool (of any count) is no lease: the task routes answer 404 for it, as for an unknown id. A
+   * record's kind never changes, so reading it before acting on it is safe.
    */
-  private async assertLease(pool: PoolEntity, leaseId: string): Promise<void> {
+  private async readLease(pool: PoolEntity, leaseId: string): Promise<StoredReservation | null> {
     const stored = await this.holds.read(pool.name, leaseId);
     if (stored && stored.kind !== 'l') throw notFound(leaseId);
+    return stored;
   }
 
   /** The task pool of a lease id; a reservation of a number pool is no lease (404, as an unknown id). */

@@ -172,14 +172,16 @@ local function count_items(base, owner, kind, items, delta)
 end
 
 -- Drops the holds this reservation still has and returns those items to the free index. An item with
--- no cache entry was allocated meanwhile (finish drops the entry): it is not free.
-local function free_items(base, rid, items)
+-- no cache entry was allocated meanwhile (finish drops the entry): it is not free. `keep_own`: the items this
+-- reservation still holds stay held (their commit is undecided); only those whose hold ran out go back.
+local function free_items(base, rid, items, keep_own)
   local back = {}
   for _, item in ipairs(items) do
     local hkey = base .. 'h:' .. item.id
     local holder = redis.call('GET', hkey)
-    if holder == rid then redis.call('DEL', hkey) end
-    if (holder == rid or not holder) and redis.call('HEXISTS', item_key(base, item.id), item.id) == 1 then
+    local drop = holder == rid and not keep_own
+    if drop then redis.call('DEL', hkey) end
+    if (drop or not holder) and redis.call('HEXISTS', item_key(base, item.id), item.id) == 1 then
       back[#back + 1] = item
     end
   end

@@ -38,12 +38,8 @@ for _, rid in ipairs(due) do
     -- not wait for that, which may be long with Postgres down: every pin holds the items it selects until the
     -- epoch is decided (finish or abort), so an item whose hold ran out was in no undecided commit. They are free.
     local items = decode_items_safely(r.i)
-    local unheld = {}
-    for _, item in ipairs(items) do
-      if redis.call('GET', base .. 'h:' .. item.id) ~= rid then unheld[#unheld + 1] = item end
-    end
-    work = work + writes(unheld)
-    freed = freed + free_items(base, rid, unheld)
+    work = work + writes(items)
+    freed = freed + free_items(base, rid, items, true)
     redis.call('ZADD', exp, now + recheck, rid)
     reply[#reply + 1] = rid
   elseif r.s == 'held' then
