@@ -1,5 +1,6 @@
+import { readFileSync } from 'node:fs';
 import { describe, expect, it } from 'vitest';
-import { ConfigError, expiryBudgetWarning, loadConfig } from '../../src/config/app-config.js';
+import { AppConfig, ConfigError, expiryBudgetWarning, loadConfig } from '../../src/config/app-config.js';
 
 describe('loadConfig', () => {
   it('applies the documented defaults', () => {
@@ -64,5 +65,22 @@ describe('loadConfig', () => {
     expect(message).toContain('REDIS_URL="redis:/:***@h"');
     expect(message).not.toMatch(/S3cretPW|RedisPW/);
     expect(loadConfig({ DATABASE_URL: 'postgres://app:pw@db:5432/x' }).DATABASE_URL).toBe('postgres://app:pw@db:5432/x');
+  });
+});
+
+describe('the README configuration table', () => {
+  /** `| \`NAME\` | \`default\` | meaning |` rows of the README's table. */
+  function documented(): Map<string, string> {
+    const readme = readFileSync(new URL('../../README.md', import.meta.url), 'utf8');
+    const rows = new Map<string, string>();
+    for (const m of readme.matchAll(/^\| `([A-Z][A-Z0-9_]*)` \| `([^`]*)` \|/gm)) rows.set(m[1], m[2]);
+    return rows;
+  }
+
+  it('lists every setting the service reads, and nothing else, with its default as the code has it', () => {
+    const defaults = new AppConfig();
+    const rows = documented();
+    expect([...rows.keys()].sort()).toEqual(Object.keys(defaults).sort());
+    for (const [name, value] of rows) expect(`${name}=${value}`).toBe(`${name}=${String(defaults[name as keyof AppConfig])}`);
   });
 });
