@@ -6,7 +6,9 @@ import { PoolRepository } from '../database/pool.repository.js';
 import { NewResource, ResourceRepository, ResourceRow } from '../database/resource.repository.js';
 import { isAllocationTombstone } from '../redis/keys.js';
 import { isStringRecord } from '../common/validators.js';
+import { CommitRepository } from '../database/commit.repository.js';
 import { CachedItem, HoldStore } from '../redis/hold-store.repository.js';
+import type { CommitOutcome } from '../reservations/commit.service.js';
 import { PoolCatalog } from './pool-catalog.service.js';
 import { CreatePoolDto, ImportResourcesDto, ImportResultDto, PoolDto, PoolWithStatsDto, ResourceDto } from './pool.dto.js';
 
@@ -51,6 +53,7 @@ export class PoolsService {
     private readonly catalog: PoolCatalog,
     private readonly holds: HoldStore,
     private readonly generations: GenerationRepository,
+    private readonly commits: CommitRepository,
   ) {}
 
   async create(dto: CreatePoolDto): Promise<PoolDto> {
@@ -105,7 +108,7 @@ export class PoolsService {
   async importResources(name: string, dto: ImportResourcesDto): Promise<ImportResultDto> {
     const pool = await this.catalog.get(name);
     // Fail before writing anything if Redis is down: new items must be reservable at once.
-    const readAt = await this.holds.clock();
+    const read = await this.beforeRead();
     // A value given twice in one request is imported once, as given first.
     const byValue = new Map<string, NewResource>();
     for (const i of dto.items) {
@@ -128,7 +131,7 @@ export class PoolsService {
       );
       items.push(...known.filter((row) => isStringRecord(row.attributes)).map(toCachedItem));
     }
-    await this.indexFreeOrLater(pool, readAt, items, 'imported');
+    await this.indexFreeOrLater(pool, read, items, 'imported');
     return { inserted: rows.length, duplicates: dto.items.length - rows.length };
   }
 
@@ -146,7 +149,7 @@ export class PoolsService {
 
   async releaseResource(name: string, id: string, owner: string): Promise<ResourceDto> {
     const pool = await this.catalog.get(name);
-    const readAt = await this.holds.clock();
+    const read = await this.beforeRead();
     const row = await this.whenLost(pool.name, [`id:${id}`], () => this.resources.release(pool.id, id, owner));
     if (!row) {
       const existing = await this.resources.findById(pool.id, id);
@@ -154,12 +157,32 @@ export class PoolsService {
       // Free already: perhaps released by this caller before, without reaching Redis (its Redis step failed,
       // or its answer was lost and this is the retry). Indexed again; the scripts leave a held item alone.
       if (existing.state === RESOURCE_FREE && isStringRecord(existing.attributes)) {
-        await this.indexFreeOrLater(pool, readAt, [toCachedItem(existing)], 'released');
+        await this.indexFreeOrLater(pool, read, [toCachedItem(existing)], 'released');
+        await this.finishLandedCommit(pool, id);
       }
       throw new DomainError(ErrorCode.NOT_ALLOCATED, `resource ${id} is not allocated to "${owner}"`, { resourceId: id, owner });
     }
-    await this.indexFreeOrLater(pool, readAt, [toCachedItem(row)], 'released');
+    await this.indexFreeOrLater(pool, read, [toCachedItem(row)], 'released');
+    await this.finishLandedCommit(pool, id);
     return toResourceDto(pool.name, row, 'free');
+  }
+
+  /**
+   * A released item still under the pinned hold of the reservation that allocated it: that confirm's commit
+   * landed, but its Redis step failed, and the sweeper finishes it only once the commit window is over (15 s by
+   * default). Finished now from the commit row, so the item is reservable at once, as API.md promises. Should
+   * that fail too, the sweeper still does it.
+   */
+  private async finishLandedCommit(pool: PoolEntity, id: string): Promise<void> {
+    try {
+      const holder = await this.holds.holder(pool.name, id);
+      if (!holder || isAllocationTombstone(holder)) return;
+      const outcome = (await this.commits.find(holder))?.body as unknown as CommitOutcome | undefined;
+      if (!outcome?.allocated.some((item) => item.resourceId === id)) return;
+      await this.holds.finish(pool.name, holder, outcome.allocated, JSON.stringify(outcome));
+    } catch (err) {
+      this.logger.warn(`released ${id} of "${pool.name}", still under a finished commit's hold; the sweeper frees it: ${String(err)}`);
+    }
   }
 
   /**
@@ -167,11 +190,11 @@ export class PoolsService {
    * (reindexPending): they are free in Postgres, committed, and must become reservable without waiting
    * for the periodic rebuild (or, with RECONCILE_INTERVAL_MS 0, for a restart).
    */
-  private async indexFreeOrLater(pool: PoolEntity, readAt: number, items: CachedItem[], what: string): Promise<void> {
+  private async indexFreeOrLater(pool: PoolEntity, read: ReadStamp, items: CachedItem[], what: string): Promise<void> {
     if (items.length === 0) return;
     let indexed = false;
     try {
-      indexed = await this.indexFree(pool, readAt, items);
+      indexed = await this.indexFree(pool, read, items);
     } catch (err) {
       this.logger.warn(`${what} ${items.length} items of "${pool.name}" but could not index them in Redis yet: ${String(err)}`);
     }
@@ -221,15 +244,15 @@ export class PoolsService {
       const ids = keys.filter((key) => key.startsWith('id:')).map((key) => key.slice(3));
       const values = keys.filter((key) => key.startsWith('value:')).map((key) => key.slice(6));
       const pool = await this.catalog.get(name);
-      const readAt = await this.holds.clock();
-      const generation = await this.generations.current();
+      const { readAt, generation } = await this.beforeRead();
       const rows = [
         ...(ids.length > 0 ? await this.resources.findMany(pool.id, ids) : []),
         ...(values.length > 0 ? await this.resources.findFreeByValues(pool.id, values) : []),
       ];
       const free = rows.filter((row) => row.state === RESOURCE_FREE && isStringRecord(row.attributes)).map(toCachedItem);
-      const page = await this.holds.addFree(pool.name, generation, readAt, free);
-      if (page === null) continue; // this instance stalled after the read: read again next time
+      // A write whose answer was lost may have committed after the generation was read: read again if it moved on.
+      const page = await this.holds.addFree(pool.name, generation, readAt, free, 'readAgain');
+      if (page === null) continue; // this instance stalled after the read, or Redis was rebuilt: read again next time
       for (const key of keys) pending.delete(key);
       if (pending.size === 0) this.unindexed.delete(name);
       added += page;
@@ -238,20 +261,29 @@ export class PoolsService {
   }
 
   /**
-   * Adds items just made free in Postgres (imported, released) to Redis. `readAt` is Redis' clock before that
-   * write: if this instance stalled so long that Redis refuses it (HoldStore.addFree), the rows are read again.
+   * Both stamps a Postgres read (or a write that returns rows) needs before Redis may take what it found free:
+   * Redis' clock, and the Redis generation. Both before the read: the generation fences a read from before a
+   * wipe (an item allocated since has lost its tombstone), the clock a stall after it (HoldStore.addFree).
    */
-  private async indexFree(pool: PoolEntity, readAt: number, items: CachedItem[]): Promise<boolean> {
-    let generation = await this.generations.current();
+  private async beforeRead(): Promise<ReadStamp> {
+    const readAt = await this.holds.clock();
+    return { readAt, generation: await this.generations.current() };
+  }
+
+  /**
+   * Adds items just made free in Postgres (imported, released) to Redis, with the stamps taken before that
+   * write. If Redis refuses them (this instance stalled, or Redis was rebuilt since: HoldStore.addFree), the
+   * rows are read again.
+   */
+  private async indexFree(pool: PoolEntity, read: ReadStamp, items: CachedItem[]): Promise<boolean> {
+    let { readAt, generation } = read;
     for (let attempt = 1; ; attempt++) {
-      if ((await this.holds.addFree(pool.name, generation, readAt, items)) !== null) return true;
+      if ((await this.holds.addFree(pool.name, generation, readAt, items, 'readAgain')) !== null) return true;
       if (attempt === 3) {
         this.logger.warn(`${items.length} free items of "${pool.name}" were not indexed in Redis (too slow); indexed later`);
         return false;
       }
-      // Both before the read: the generation fences a read from before a wipe, the clock a stall after it.
-      readAt = await this.holds.clock();
-      generation = await this.generations.current();
+      ({ readAt, generation } = await this.beforeRead());
       const rows = await this.resources.findMany(
         pool.id,
         items.map((item) => item.id),
@@ -259,6 +291,12 @@ export class PoolsService {
       items = rows.filter((row) => row.state === RESOURCE_FREE && isStringRecord(row.attributes)).map(toCachedItem);
     }
   }
+}
+
+/** Taken before a Postgres read: see PoolsService.beforeRead. */
+interface ReadStamp {
+  readAt: number;
+  generation: number;
 }
 
 function resourceNotFound(pool: string, id: string): DomainError {

@@ -377,15 +377,26 @@ export class HoldStore implements OnApplicationShutdown {
    * Adds items that are free in Postgres to the free index; returns how many were not there yet, or null if
    * the read was too old by the time a chunk reached Redis (READ_MAX_AGE_MS): the caller stalled, and the rest
    * was not added. `generation` is the Redis generation current when Postgres was read, `readAt` Redis' clock
-   * (clock()) taken before that read.
+   * (clock()) taken before that read. When the pool's generation is newer (Redis was wiped and rebuilt since),
+   * nothing more is added: the read may hold items allocated since, whose tombstones the wipe took. `skip`: the
+   * items were free before `generation` was read, so the rebuild that raised it read them free and added them.
+   * `readAgain` (null, like a read too old): they may have become free only after it (the caller read the
+   * generation before its own write freed them), and that rebuild may have read Postgres before the write.
    */
-  async addFree(pool: string, generation: number, readAt: number, items: CachedItem[]): Promise<number | null> {
+  async addFree(
+    pool: string,
+    generation: number,
+    readAt: number,
+    items: CachedItem[],
+    superseded: 'skip' | 'readAgain' = 'skip',
+  ): Promise<number | null> {
     // One chunk at a time: each is one script, and Redis serves nothing else while it runs. Sent together,
     // the chunks of an import or a rebuild page would run back to back and hold up every other command.
     let added = 0;
     for (let i = 0; i < items.length; i += 500) {
       const chunk = items.slice(i, i + 500).map((item) => JSON.stringify(item));
       const reply = await this.run<number>('add_free', pool, generation, readAt, READ_MAX_AGE_MS, ...chunk);
+      if (reply === -2 && superseded === 'skip') return added;
       if (reply < 0) return null;
       added += reply;
     }

@@ -13,11 +13,13 @@
 -- the tombstone's life. Both times are Redis' own clock, so the hosts' clocks need not agree.
 -- ARGV: 1 base, 2 Redis generation the caller read Postgres in, 3 Redis' time (ms) before that read, 4 the oldest
 --       read accepted (ms), 5.. item JSON ({"id","v","n","g","a"})
--- Returns: number of items that were not in the free index before, or -1 (nothing added) if the read is too old
+-- Returns: number of items that were not in the free index before, or (nothing added) -1 if the read is too old,
+--          -2 if the pool's generation is newer than the caller's
 local base, generation, read_ms, max_age = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 if now_ms() - read_ms > max_age then return -1 end
 local current = redis.call('GET', base .. 'gen')
-if not current or tonumber(current) > generation then return 0 end
+if not current then return 0 end
+if tonumber(current) > generation then return -2 end
 if tonumber(current) < generation then redis.call('SET', base .. 'gen', generation) end
 -- The items nobody holds, indexed together at the end (one ZADD on the free index for all of them).
 local free = {}
