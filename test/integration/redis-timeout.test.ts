@@ -6,6 +6,7 @@ import { HttpAnswer, TestInstance, TestWorld, eventually, numbers, seedPool, sle
 import { OwnRedis, REDIS_URL } from '../support/services.js';
 import { HoldStore } from '../../src/redis/hold-store.repository.js';
 import { DomainError } from '../../src/common/errors.js';
+import { poolKeys } from '../../src/redis/keys.js';
 
 /** Blocks this process's event loop, as a long GC pause or a starved cold start does. */
 function stall(ms: number): void {
@@ -225,6 +226,29 @@ describe('a reserve that got no answer in time', () => {
     await api.app.get(HoldStore).undoReserve('keyed-replayed', other.body.id, 'order-10');
     expect((await api.get(`/v1/reservations/${other.body.id}`)).body.state).toBe('released');
     expect((await api.post('/v1/pools/keyed-replayed/reservations', body, { 'idempotency-key': 'order-10' })).status).toBe(201);
+  });
+
+  it('a client replaying one keyed reserve without end grows its record only so far, and the undos keep the reservation then', async () => {
+    await seedPool(api, 'replayed-often', numbers(2));
+    const body = { owner: 'buyer', count: 1 };
+    const headers = { 'idempotency-key': 'order-loop' };
+    const first = await api.post('/v1/pools/replayed-often/reservations', body, headers);
+    expect(first.status).toBe(201);
+    const record = poolKeys(world.prefix, 'replayed-often').reservation(first.body.id);
+    const client = own.client();
+    try {
+      const requesters = async () => ((await client.hget(record, 'rq')) ?? '').split(' ').filter(Boolean);
+      for (let i = 0; i < 31; i++) expect((await api.post('/v1/pools/replayed-often/reservations', body, headers)).status).toBe(200);
+      expect(await requesters()).toHaveLength(32); // the maker and 31 replays, each of which an undo may take out
+      for (let i = 0; i < 40; i++) expect((await api.post('/v1/pools/replayed-often/reservations', body, headers)).status).toBe(200);
+      // Past 32 the list is no longer kept: no undo releases the reservation (one of those replays was answered).
+      expect(await requesters()).toEqual(['*']);
+      await api.app.get(HoldStore).undoReserve('replayed-often', first.body.id, 'order-loop');
+      expect((await api.get(`/v1/reservations/${first.body.id}`)).body.state).toBe('held');
+      expect(await requesters()).toEqual(['*']);
+    } finally {
+      client.disconnect();
+    }
   });
 
   it("undoing a keyed reserve forgets the key only if it names that reservation: another call's key is kept", async () => {

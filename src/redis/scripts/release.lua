@@ -10,6 +10,7 @@
 -- one its key names; without a key, its own) is released, and the key forgotten, once no request that may have
 -- been answered with it is left: its `rq` field lists them (absent: only the request that made it), a replay adds
 -- itself, an undo takes its request out. A request that was answered is never undone, so the reservation stays.
+-- "*" (too many replays to list, see reserve.lua) is never emptied: the reservation stays until it expires.
 -- Returns: {"released", ...reservation} | {"confirmed", ...reservation} | {"busy"} (a confirm is committing)
 --          | {"undecided", epoch} | {"missing"} | {"answered"} (an undo: another request may have the reservation)
 local base, rid, retention, decided = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]

@@ -13,6 +13,7 @@ local kind, open_record_ms = ARGV[7], tonumber(ARGV[8])
 local idem_key, body_hash, idem_ttl = ARGV[9], ARGV[10], tonumber(ARGV[11])
 local attr_json, prefix, affinity, grace = ARGV[12], ARGV[13], ARGV[14] == '1', tonumber(ARGV[15])
 local now = now_ms()
+local MAX_REQUESTERS = 32
 
 -- A record under this id already: the reserve was undone before it arrived (release.lua), as its caller got no
 -- answer. It holds nothing.
@@ -27,8 +28,14 @@ if idem_key ~= '' then
     local prkey = base .. 'r:' .. prid
     if redis.call('EXISTS', prkey) == 1 then
       -- This request may be answered with it now: the undo of every other request answered with it must keep it
-      -- (release.lua, `rq`: the requests that may have it; absent, only the one that made it).
-      redis.call('HSET', prkey, 'rq', (redis.call('HGET', prkey, 'rq') or prid) .. ' ' .. rid)
+      -- (release.lua, `rq`: the requests that may have it; absent, only the one that made it). A list of
+      -- MAX_REQUESTERS becomes "*", which no undo empties: a client retrying without end would otherwise grow the
+      -- record, and the time each replay holds Redis, without bound. The reservation then just expires.
+      local rq = redis.call('HGET', prkey, 'rq') or prid
+      if rq ~= '*' then
+        local _, listed = string.gsub(rq, '%S+', '')
+        redis.call('HSET', prkey, 'rq', listed >= MAX_REQUESTERS and '*' or (rq .. ' ' .. rid))
+      end
       return reservation_reply('replay', prid, prkey, now)
     end
   end
