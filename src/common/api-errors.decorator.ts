@@ -11,7 +11,7 @@ export class ErrorDetailDto {
   message: string;
 
   @ApiProperty({
-    description: 'Structured context: the two fields below where they apply, and whatever else an error names (ids, limits)',
+    description: 'Structured context: the fields below where they apply, and whatever else an error names (ids, limits)',
     type: 'object',
     properties: {
       fields: {
@@ -34,6 +34,12 @@ export class ErrorDetailDto {
         format: 'date-time',
         description:
           "HOLD_LOST and HOLD_EXPIRED: when the instance received the request (its own clock), to compare with the hold's `expiresAt`",
+      },
+      searchLimited: {
+        type: 'boolean',
+        description:
+          'POOL_EXHAUSTED of a reserve with several filter attributes: true when the search stopped at its limit of ' +
+          'candidates before it had seen them all; matching free items may exist (absent: none match)',
       },
     },
     additionalProperties: true,

@@ -56,7 +56,8 @@ export interface ReserveRequest {
 
 export type ReserveResult =
   | { status: 'ok' | 'replay'; reservation: StoredReservation }
-  | { status: 'exhausted' }
+  /** `limited`: a filtered reserve stopped looking before it had seen every candidate (reserve.lua, MAX_LOOKUPS). */
+  | { status: 'exhausted'; limited: boolean }
   | { status: 'quota'; held: number }
   | { status: 'reused' };
 
@@ -250,8 +251,10 @@ export class HoldStore implements OnApplicationShutdown {
         return { status: reply[0], reservation: parseReservation(reply) };
       case 'quota':
         return { status: 'quota', held: Number(reply[1]) };
+      case 'exhausted':
+        return { status: 'exhausted', limited: reply[1] === 'limited' };
       default:
-        return { status: reply[0] as 'exhausted' | 'reused' };
+        return { status: 'reused' };
     }
   }
 

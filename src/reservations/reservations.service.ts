@@ -81,6 +81,14 @@ export class ReservationsService {
       case 'replay':
         return { created: result.status === 'ok', reservation: toReservationDto(pool.name, result.reservation) };
       case 'exhausted':
+        if (result.limited) {
+          throw new DomainError(
+            ErrorCode.POOL_EXHAUSTED,
+            `fewer than ${count} free items match among the candidates looked at in pool "${pool.name}": this filter matches ` +
+              'too rarely to be searched in full; narrow it (a longer valuePrefix, fewer attributes) or try again',
+            { pool: pool.name, count, searchLimited: true },
+          );
+        }
         throw new DomainError(ErrorCode.POOL_EXHAUSTED, `fewer than ${count} free items match in pool "${pool.name}"`, {
           pool: pool.name,
           count,

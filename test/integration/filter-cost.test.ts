@@ -49,9 +49,9 @@ describe('filtered reserves: the work Redis does does not grow with the pool', (
   };
 
   /** Reserves with this filter; returns the answer and the commands the script called (EVALSHA itself left out). */
-  const reserveCounting = async (count: number, filter: object) => {
+  const reserveCounting = async (count: number, filter: object, pool = 'cities') => {
     const before = await commands();
-    const answer = await api.post('/v1/pools/cities/reservations', { owner: 'o', count, filter });
+    const answer = await api.post(`/v1/pools/${pool}/reservations`, { owner: 'o', count, filter });
     const after = await commands();
     let called = 0;
     for (const [name, calls] of after) if (!['evalsha', 'info'].includes(name)) called += calls - (before.get(name) ?? 0);
@@ -95,5 +95,48 @@ describe('filtered reserves: the work Redis does does not grow with the pool', (
     expect(called).toBeGreaterThan(600 * 33);
     expect(called / scripts).toBeLessThan(ADD_FREE_WRITES * 1.2);
     expect(await api.stats('rich')).toEqual({ total: 600, free: 600, held: 0, allocated: 0 });
+  });
+
+  describe('a filter of several attributes that matches rarely, on a larger pool', () => {
+    // 17,000 numbers starting with 5 have attribute a; 17,000 more, b and c; 300 starting with 6 have a and b, and
+    // the first 100 of them c too. So a and b share 300 items and a and c 100, none of which starts with 5.
+    beforeAll(async () => {
+      const five = (i: number) => `5${String(i).padStart(10, '0')}`;
+      await seedPool(api, 'sparse', [
+        ...Array.from({ length: 17_000 }, (_, i) => ({ value: five(i), attributes: { a: 'x' } })),
+        ...Array.from({ length: 17_000 }, (_, i) => ({ value: five(17_000 + i), attributes: { b: 'y', c: 'z' } })),
+        ...Array.from({ length: 300 }, (_, i) => ({
+          value: `6${String(i).padStart(10, '0')}`,
+          attributes: { a: 'x', b: 'y', ...(i < 100 && { c: 'z' }) },
+        })),
+      ]);
+    }, 120_000);
+
+    it('with a prefix none of their few shared items has: answered from the intersection, without walking an index', async () => {
+      const { answer, called } = await reserveCounting(1, { attributes: { a: 'x', c: 'z' }, valuePrefix: '5' }, 'sparse');
+      expect(answer.status).toBe(409);
+      expect(answer.body.error.code).toBe('POOL_EXHAUSTED');
+      expect(answer.body.error.details.searchLimited).toBeUndefined();
+      // 4 windows of 64, then the intersection (100 members) read whole. Walking the 17,000 would take hundreds.
+      expect(called).toBeLessThanOrEqual(40);
+    });
+
+    it('with a prefix none of their many shared items has: the walk stops at its limit, and the answer says so', async () => {
+      const { answer, called } = await reserveCounting(1, { attributes: { a: 'x', b: 'y' }, valuePrefix: '5' }, 'sparse');
+      expect(answer.status).toBe(409);
+      expect(answer.body.error.code).toBe('POOL_EXHAUSTED');
+      expect(answer.body.error.details).toMatchObject({ searchLimited: true, count: 1 });
+      // 32,768 lookups over 2 indexes: 256 windows of 64 members, about three calls each, of the 266 there are.
+      expect(called).toBeLessThanOrEqual(256 * 3 + 20);
+    });
+
+    it('finds the items the filter does match', async () => {
+      const { answer } = await reserveCounting(3, { attributes: { a: 'x', c: 'z' }, valuePrefix: '6' }, 'sparse');
+      expect(answer.status).toBe(201);
+      for (const item of answer.body.items) expect(item.attributes).toEqual({ a: 'x', b: 'y', c: 'z' });
+      const both = await reserveCounting(3, { attributes: { a: 'x', c: 'z' } }, 'sparse');
+      expect(both.answer.status).toBe(201);
+      for (const item of both.answer.body.items) expect(item.value.startsWith('6')).toBe(true);
+    });
   });
 });

@@ -6,7 +6,8 @@
 --       12 attribute filter as JSON object ("" = none), 13 value prefix ("" = none), 14 group affinity ("1"|"0"),
 --       15 grace ms (the holds outlive expiresAt by this much; the sweeper looks at the reservation then)
 -- Returns: {"ok"|"replay", rid, state, owner, kind, createdMs, expiresMs, itemsJson, outcomeJson, nowMs}
---          or {"exhausted"} | {"quota", heldNow} | {"reused"}
+--          or {"exhausted"} | {"exhausted", "limited"} (a filtered walk stopped at MAX_LOOKUPS) | {"quota", heldNow}
+--          | {"reused"}
 local base, rid, owner = ARGV[1], ARGV[2], ARGV[3]
 local count, ttl, max_holds = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
 local kind, open_record_ms = ARGV[7], tonumber(ARGV[8])
@@ -58,6 +59,8 @@ local chosen, seen = {}, {}
 -- Items consider() found behind a wrong entry, to index under their own entry once a walk by rank is over (an
 -- entry added meanwhile would move the ranks of the members after it); nil: index them at once.
 local reindex_later = nil
+-- True when a filtered walk stopped before it had read every candidate (MAX_LOOKUPS).
+local limited = false
 
 -- True when the item's value starts with the filter's prefix and it has every attribute pair the filter names.
 local function matches(item)
@@ -146,11 +149,15 @@ if attr_json ~= '' then
     -- consecutive members at a time (every score is 0, so ranks follow values), the windows in random order and
     -- none twice, and the other attributes are checked a window at a time (ZMSCORE), until `count` are held or
     -- every window was read. Values cluster by attribute (the numbers of one city share prefixes), so reading in
-    -- value order could cross long runs of non-matching members before the first match. With attributes alone,
-    -- once PROBES windows did not find enough, Redis counts what is left of their intersection (in C, stopping at
-    -- INTERSECTION_READ): too few is an answer at once, and a small intersection is read whole. No call copies a
-    -- whole index.
-    local WINDOW, PROBES, INTERSECTION_READ = 64, 4, 256
+    -- value order could cross long runs of non-matching members before the first match. Once PROBES windows did
+    -- not find enough, Redis counts what is left of the attributes' intersection (in C, stopping at
+    -- INTERSECTION_READ; the prefix is not counted there): too few is an answer at once, and a small intersection
+    -- is read whole (with a prefix, its members that have it). No call copies a whole index. A walk that has
+    -- looked up MAX_LOOKUPS members in the indexes (a window's members in each attribute's) without finding
+    -- enough stops, and the answer says so ("limited"): Redis serves nothing else meanwhile, and a pool of
+    -- millions with a filter that matches rarely would hold it for seconds.
+    local WINDOW, PROBES, INTERSECTION_READ, MAX_LOOKUPS = 64, 4, 256, 32768
+    local max_windows = math.max(PROBES + 1, math.floor(MAX_LOOKUPS / (WINDOW * #sources)))
     local walk, size = 1, nil
     for i, source in ipairs(sources) do
       local n = redis.call('ZLEXCOUNT', source.key, from, to)
@@ -197,7 +204,11 @@ if attr_json ~= '' then
     -- {rank, n}: a window read at that rank lost n members (taken or dropped), so later ones start n lower.
     local shifts = {}
     while #chosen < count and read < windows do
-      if read == PROBES and prefix == '' then
+      if read == max_windows then
+        limited = true
+        break
+      end
+      if read == PROBES then
         -- (unpack expands only as the last argument)
         local card, inter = { 'ZINTERCARD', #sources }, { 'ZINTER', #sources }
         for _, source in ipairs(sources) do
@@ -206,6 +217,7 @@ if attr_json ~= '' then
         card[#card + 1], card[#card + 2] = 'LIMIT', INTERSECTION_READ
         local left = redis.call(unpack(card))
         if left < INTERSECTION_READ then
+          -- (consider_all passes over the members without the prefix)
           if left >= count - #chosen then consider_all(redis.call(unpack(inter))) end
           break
         end
@@ -270,7 +282,7 @@ if #chosen < count then
   -- All or nothing: give back what was taken.
   for _, item in ipairs(items) do redis.call('DEL', base .. 'h:' .. item.id) end
   index_all(base, items)
-  return { 'exhausted' }
+  return limited and { 'exhausted', 'limited' } or { 'exhausted' }
 end
 
 local rkey = base .. 'r:' .. rid
