@@ -96,15 +96,34 @@ describe('commits whose outcome the caller never saw', () => {
     const r = await api.post('/v1/pools/released-first/reservations', { owner: 'buyer', count: 1 });
     const id = r.body.items[0].resourceId;
     // The commit lands; its Redis step is lost (Redis failed just then); the buyer was answered 200 and
-    // releases the number before any sweeper has finished the commit.
+    // releases the number before any sweeper has finished the commit. The release finishes it.
     const confirm = await stalledConfirm(api, 'released-first', r.body.id, id, 200);
     expect(await confirm.land()).toBe('committed');
     expect((await api.post(`/v1/pools/released-first/resources/${id}/release`, { owner: 'buyer' })).status).toBe(200);
-    await sleep(300); // the commit window passes: the sweeper now takes the commit up
-    const pool = await api.app.get(PoolRepository).findByName('released-first');
-    expect(await api.app.get(CommitService).recoverStalled(pool!, r.body.id)).toBe('finished');
     const again = await api.post('/v1/pools/released-first/reservations', { owner: 'next', count: 1 });
     expect(again.body.items?.[0]?.resourceId).toBe(id);
+    const pool = await api.app.get(PoolRepository).findByName('released-first');
+    await sleep(300); // the commit window passes: the sweeper finds nothing left to do
+    expect(await api.app.get(CommitService).recoverStalled(pool!, r.body.id)).toBe('gone');
+
+    // When the release cannot finish it either (Redis failed again), the sweeper does, once the window is over.
+    await seedPool(api, 'released-first-2', numbers(1, '1390000'));
+    const r2 = await api.post('/v1/pools/released-first-2/reservations', { owner: 'buyer', count: 1 });
+    const id2 = r2.body.items[0].resourceId;
+    const confirm2 = await stalledConfirm(api, 'released-first-2', r2.body.id, id2, 200);
+    expect(await confirm2.land()).toBe('committed');
+    const finish = vi.spyOn(api.app.get(HoldStore), 'finish').mockRejectedValueOnce(new Error('Command timed out'));
+    try {
+      expect((await api.post(`/v1/pools/released-first-2/resources/${id2}/release`, { owner: 'buyer' })).status).toBe(200);
+      expect(finish).toHaveBeenCalledTimes(1);
+    } finally {
+      finish.mockRestore();
+    }
+    await sleep(300);
+    const pool2 = await api.app.get(PoolRepository).findByName('released-first-2');
+    expect(await api.app.get(CommitService).recoverStalled(pool2!, r2.body.id)).toBe('finished');
+    const again2 = await api.post('/v1/pools/released-first-2/reservations', { owner: 'next', count: 1 });
+    expect(again2.body.items?.[0]?.resourceId).toBe(id2);
   });
 
   it('a confirm retried after a stalled commit window succeeds while the sweeper is settling that commit', async () => {
