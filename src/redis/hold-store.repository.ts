@@ -264,7 +264,7 @@ export class HoldStore implements OnApplicationShutdown {
   }
 
   async pin(pool: string, reservationId: string, selection: string[], windowMs: number): Promise<PinResult> {
-    const reply = await this.run<string[]>('pin', pool, reservationId, windowMs, selection.join(','));
+    const reply = await this.run<string[]>('pin', pool, reservationId, windowMs, selection.join(','), this.config.HOLD_GRACE_MS);
     switch (reply[0]) {
       case 'pinned':
       case 'confirmed':

@@ -8,10 +8,11 @@
 -- it up), or with another selection (the first one's version conflict gives it up); its own commit
 -- would be refused while its hold is still due. Two epochs cannot both commit: Postgres keeps one
 -- commit per reservation.
--- ARGV: 1 base, 2 rid, 3 commit window ms, 4 selection (resource ids, comma separated, sorted)
+-- ARGV: 1 base, 2 rid, 3 commit window ms, 4 selection (resource ids, comma separated, sorted), 5 grace ms (see
+--       reserve)
 -- Returns: {"pinned", rid, state, owner, kind, createdMs, expiresMs, itemsJson, outcomeJson, nowMs, epoch}
 --          | {"confirmed", ...same} (already committed) | {"missing"} | {"closed"} | {"notin", id} | {"lost", id}
-local base, rid, window, selection = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
+local base, rid, window, selection, grace = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4], tonumber(ARGV[5])
 local rkey = base .. 'r:' .. rid
 local r = read_reservation(rkey)
 local now = now_ms()
@@ -40,7 +41,10 @@ if r.s ~= 'confirming' or tonumber(r.pw or 0) <= now or r.sel ~= selection then
 end
 r.s, r.sel, r.pw = 'confirming', selection, tostring(now + window)
 redis.call('HSET', rkey, 's', r.s, 'sel', r.sel, 'pw', r.pw, 'ep', r.ep or '0')
-redis.call('ZADD', base .. 'exp', now + window, rid)
+-- The sweeper looks at it when the window ends, or when the holds of the items not selected run out, if that is
+-- sooner: should this confirm never end (its instance died), those items are free again then (invariant 4), not
+-- a window later. (The sweep leaves the items this reservation still holds alone.)
+redis.call('ZADD', base .. 'exp', math.min(now + window, (tonumber(r.e) or now) + grace + 1), rid)
 local keep = window + tonumber(redis.call('PTTL', rkey))
 redis.call('PEXPIRE', rkey, keep)
 -- From now on Postgres may commit these items at any moment, until the epoch is decided. Their holds

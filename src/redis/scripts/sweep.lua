@@ -40,7 +40,10 @@ for _, rid in ipairs(due) do
     local items = decode_items_safely(r.i)
     work = work + writes(items)
     freed = freed + free_items(base, rid, items, true)
-    redis.call('ZADD', exp, now + recheck, rid)
+    -- Looked at again a recheck later, or when its commit window ends if that is sooner (pin.lua may have set an
+    -- earlier time, when the holds of the items it did not select ran out).
+    local window_end = tonumber(r.pw or 0) or 0
+    redis.call('ZADD', exp, (r.s == 'confirming' and window_end > now) and math.min(now + recheck, window_end) or now + recheck, rid)
     reply[#reply + 1] = rid
   elseif r.s == 'held' then
     -- Items that are not items (a hand edit of Redis, say) are not freed, so that expiry goes on in this pool:

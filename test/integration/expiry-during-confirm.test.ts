@@ -1,0 +1,83 @@
+import { afterAll, beforeAll, describe, expect, it, vi } from 'vitest';
+import { DomainError } from '../../src/common/errors.js';
+import { ResourceRepository } from '../../src/database/resource.repository.js';
+import { HoldStore } from '../../src/redis/hold-store.repository.js';
+import { CommitService } from '../../src/reservations/commit.service.js';
+import { TestInstance, TestWorld, numbers, seedPool, sleep } from '../support/harness.js';
+
+const ids = (r: { body: { items: { resourceId: string }[] } }) => r.body.items.map((i) => i.resourceId);
+/** Sleeps until `plusMs` after the reservation's expiresAt. */
+const untilExpiry = (r: { body: { expiresAt: string } }, plusMs: number) =>
+  sleep(Math.max(0, Date.parse(r.body.expiresAt) + plusMs - Date.now()));
+const pgDown = () => Promise.reject(DomainError.unavailable('postgres', new Error('connect ECONNREFUSED 127.0.0.1:5432')));
+
+// Invariant 4 for the items a confirm did not choose, when that confirm never ends: with the default commit window
+// (15 s), they are free again within 2 s of expiresAt, not when the window ends.
+describe('expiry of a reservation whose confirm never ended', () => {
+  const world = new TestWorld('expiry-confirm');
+  let a: TestInstance;
+  let b: TestInstance;
+
+  beforeAll(async () => {
+    a = await world.start({ RECONCILE_INTERVAL_MS: '0' });
+    b = await world.start({ RECONCILE_INTERVAL_MS: '0' });
+  });
+  afterAll(() => world.cleanup());
+
+  it('the items a confirm did not choose are free within 2 s of expiresAt when the confirming instance died after its pin', async () => {
+    expect(a.config.COMMIT_WINDOW_MS).toBe(15_000);
+    await seedPool(a, 'died-pin', numbers(2));
+    const r = await a.post('/v1/pools/died-pin/reservations', { owner: 'buyer', count: 2, ttlMs: 1000 });
+    expect(r.status).toBe(201);
+    const [chosen, other] = ids(r);
+    // Instance a takes the payment callback 200 ms before expiresAt, pins the chosen item for its commit and dies
+    // before reaching Postgres.
+    await untilExpiry(r, -200);
+    expect((await a.app.get(HoldStore).pin('died-pin', r.body.id, [chosen], a.config.COMMIT_WINDOW_MS)).status).toBe('pinned');
+    await untilExpiry(r, 2000);
+    const next = await b.post('/v1/pools/died-pin/reservations', { owner: 'next', count: 1 });
+    expect(next.status).toBe(201);
+    expect(ids(next)).toEqual([other]);
+    // The chosen item waits for Postgres' decision on the commit (the window's end).
+    expect((await b.post('/v1/pools/died-pin/reservations', { owner: 'next', count: 1 })).body.error.code).toBe('POOL_EXHAUSTED');
+  });
+
+  it('the item it did choose comes back within 2 s of the end of its commit window, after the others came back earlier', async () => {
+    await seedPool(a, 'died-pin-window', numbers(2, '1382000'));
+    const r = await a.post('/v1/pools/died-pin-window/reservations', { owner: 'buyer', count: 2, ttlMs: 1000 });
+    const [chosen, other] = ids(r);
+    // A pin with a window of 2 s, 200 ms before expiresAt: the sweep first looks at it when the other item's hold
+    // runs out (expiresAt + grace), then when the window ends, and the commit is then given up.
+    await untilExpiry(r, -200);
+    expect((await a.app.get(HoldStore).pin('died-pin-window', r.body.id, [chosen], 2000)).status).toBe('pinned');
+    await untilExpiry(r, 1500);
+    expect(ids(await b.post('/v1/pools/died-pin-window/reservations', { owner: 'next', count: 1 }))).toEqual([other]);
+    await untilExpiry(r, 1800 + 2000);
+    const again = await b.post('/v1/pools/died-pin-window/reservations', { owner: 'next', count: 1 });
+    expect(again.status, JSON.stringify(again.body)).toBe(201);
+    expect(ids(again)).toEqual([chosen]);
+  });
+
+  it('with Postgres down, a confirm that arrives in the grace, answered 503, does not keep the items it did not choose', async () => {
+    await seedPool(a, 'grace-503', numbers(3, '1381000'));
+    const r = await a.post('/v1/pools/grace-503/reservations', { owner: 'buyer', count: 3, ttlMs: 1000 });
+    const [chosen, ...others] = ids(r);
+    const spies = [
+      vi.spyOn(a.app.get(ResourceRepository), 'allocate').mockImplementation(pgDown),
+      vi.spyOn(a.app.get(ResourceRepository), 'decideAbort').mockImplementation(pgDown),
+      vi.spyOn(a.app.get(CommitService), 'recoverStalled').mockImplementation(pgDown),
+      vi.spyOn(b.app.get(CommitService), 'recoverStalled').mockImplementation(pgDown),
+    ];
+    try {
+      // API.md: a confirm after expiry still succeeds for items nobody took; Postgres is down, so 503.
+      await untilExpiry(r, 150);
+      expect((await a.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [chosen] })).status).toBe(503);
+      await untilExpiry(r, 2000);
+      const next = await b.post('/v1/pools/grace-503/reservations', { owner: 'next', count: 2 });
+      expect(next.status, JSON.stringify(next.body)).toBe(201);
+      expect(ids(next).sort()).toEqual([...others].sort());
+    } finally {
+      for (const spy of spies) spy.mockRestore();
+    }
+  });
+});
