@@ -35,6 +35,13 @@ export class ErrorDetailDto {
         description:
           "HOLD_LOST and HOLD_EXPIRED: when the instance received the request (its own clock), to compare with the hold's `expiresAt`",
       },
+      outcome: {
+        type: 'string',
+        enum: ['unknown'],
+        description:
+          'DEPENDENCY_UNAVAILABLE of a confirm or a task complete: "unknown" when Postgres could not be asked whether ' +
+          'the commit, sent before it stopped answering, landed; the same call again tells (absent: nothing was changed)',
+      },
       searchLimited: {
         type: 'boolean',
         description:

@@ -7,6 +7,7 @@ import { ResourceRepository } from '../database/resource.repository.js';
 import { GenerationRepository } from '../database/generation.repository.js';
 import { AllocatedItem, CachedItem, HoldStore, StoredReservation, compareIds } from '../redis/hold-store.repository.js';
 import { MetricsService } from '../metrics/metrics.service.js';
+import { BatchWaitTimeout } from '../database/batcher.js';
 import { toCachedItem } from '../pools/pools.service.js';
 
 /** What a confirm or task completion committed; stored in Postgres and Redis so every retry answers the same. */
@@ -86,17 +87,35 @@ export class CommitService {
       body: JSON.stringify(outcome),
     };
     let result;
+    let maybeSent = false;
+    const attempt = () =>
+      this.resources.allocate(allocation).catch((err: unknown) => {
+        maybeSent ||= mayHaveReachedPostgres(err);
+        throw err;
+      });
     try {
-      result = await this.resources.allocate(allocation).catch((err: unknown) => {
+      result = await attempt().catch((err: unknown) => {
         // A lost connection (a Postgres restart, a session ended while this process was paused): try once
         // more on a fresh one. Safe: if the first attempt did commit, the epoch's decision row says so.
-        if (err instanceof DomainError && err.code === ErrorCode.DEPENDENCY_UNAVAILABLE) return this.resources.allocate(allocation);
+        if (err instanceof DomainError && err.code === ErrorCode.DEPENDENCY_UNAVAILABLE) return attempt();
         throw err;
       });
     } catch (err) {
-      // Postgres did not answer: held again until its expiry, so the caller's retry can still succeed.
-      // Should the commit have landed unseen, the sweeper finds its decision row at expiry and finishes it.
+      // No answer from Postgres, but the commit may have landed all the same (its answer late, or lost with the
+      // connection). Postgres ends the epoch now, waiting for a commit of it in flight, so that the answer is true:
+      // landed, the confirm succeeded; given up, nothing was changed, and this attempt can no longer land.
+      const settled = await this.endEpochs(r.id, r.epoch).then(
+        (landed) => ({ landed }),
+        () => null,
+      );
+      if (settled?.landed) {
+        await this.finishQuietly(pool, r.id, settled.landed);
+        return sameSelection(settled.landed, selection);
+      }
+      // Held again until its expiry, so the caller's retry can still succeed (in a new epoch). Should the commit
+      // have landed unseen after all, the sweeper finds its decision row at expiry and finishes it.
       await this.holds.unpin(pool.name, r).catch(() => false);
+      if (settled === null && maybeSent) throw outcomeUnknown(err);
       throw err;
     }
     if (result === 'committed') {
@@ -240,6 +259,29 @@ function sameSelection(outcome: CommitOutcome, selection: string[]): CommitOutco
   throw new DomainError(ErrorCode.RESERVATION_CLOSED, 'the reservation was already confirmed with a different selection', {
     confirmed: outcome.selection,
   });
+}
+
+/**
+ * False when a failed commit surely never reached Postgres: it waited too long for a batch, or no connection
+ * could be made. Otherwise (a timeout, a connection lost mid-way) it may have landed.
+ */
+function mayHaveReachedPostgres(err: unknown): boolean {
+  const cause = (err as { cause?: unknown } | null)?.cause ?? err;
+  if (cause instanceof BatchWaitTimeout) return false;
+  const code = (cause as { code?: unknown } | null)?.code;
+  if (code === 'ECONNREFUSED' || code === 'ENOTFOUND' || code === 'EAI_AGAIN' || code === 'EHOSTUNREACH') return false;
+  return !/timeout exceeded when trying to connect/.test(String((cause as { message?: unknown } | null)?.message));
+}
+
+/** A 503 whose commit may have landed: Postgres could not be asked. API.md's "nothing was changed" is not known. */
+function outcomeUnknown(cause: unknown): DomainError {
+  const err = new DomainError(
+    ErrorCode.DEPENDENCY_UNAVAILABLE,
+    'postgres did not answer, and the commit may have landed: send the same confirm again to learn its outcome (it is idempotent)',
+    { dependency: 'postgres', outcome: 'unknown' },
+  );
+  (err as { cause?: unknown }).cause = cause;
+  return err;
 }
 
 function holdLost(resourceIds: string[], reason: 'held_by_another' | 'version_changed'): DomainError {

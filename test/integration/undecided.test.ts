@@ -246,6 +246,80 @@ describe('commits whose outcome the caller never saw', () => {
     expect(second.pinned.reservation.epoch).toBe(first.pinned.reservation.epoch + 1);
     expect(await second.land()).toBe('committed');
   });
+
+  describe('a confirm whose commit got no answer (a timeout, a lost connection)', () => {
+    const lost = (cause: Error) => Promise.reject(DomainError.unavailable('postgres', cause));
+
+    it('landed all the same: answered 200 with the commit, not 503 "nothing was changed"', async () => {
+      await seedPool(api, 'lost-answer', numbers(3));
+      const r = await api.post('/v1/pools/lost-answer/reservations', { owner: 'buyer', count: 3 });
+      const [x] = r.body.items.map((i: { resourceId: string }) => i.resourceId);
+      const resources = api.app.get(ResourceRepository);
+      const allocate = resources.allocate.bind(resources);
+      // The commit lands; its answer is lost with the connection, twice (the retry joins the same epoch).
+      const spy = vi
+        .spyOn(resources, 'allocate')
+        .mockImplementation(async (a) => (await allocate(a), lost(new Error('Connection terminated unexpectedly'))));
+      let confirmed;
+      try {
+        confirmed = await api.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [x] });
+      } finally {
+        spy.mockRestore();
+      }
+      expect(confirmed.status, JSON.stringify(confirmed.body)).toBe(200);
+      expect(confirmed.body.allocated.map((i: { resourceId: string }) => i.resourceId)).toEqual([x]);
+      expect((await api.get(`/v1/reservations/${r.body.id}`)).body.state).toBe('confirmed');
+      expect(await api.stats('lost-answer')).toEqual({ total: 3, free: 2, held: 0, allocated: 1 });
+    });
+
+    it('did not land: 503 "nothing was changed" is true, and the epoch can no longer land; a retry choosing another item succeeds', async () => {
+      await seedPool(api, 'not-landed', numbers(3, '1390000'));
+      const r = await api.post('/v1/pools/not-landed/reservations', { owner: 'buyer', count: 3 });
+      const [x, y] = r.body.items.map((i: { resourceId: string }) => i.resourceId);
+      const spy = vi.spyOn(api.app.get(ResourceRepository), 'allocate').mockImplementation(() => lost(new Error('Query read timeout')));
+      let first;
+      try {
+        first = await api.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [x] });
+      } finally {
+        spy.mockRestore();
+      }
+      expect(first.status).toBe(503);
+      expect(first.body.error.message).toMatch(/nothing was changed/);
+      expect(first.body.error.details.outcome).toBeUndefined();
+      // Postgres recorded the epoch as given up: the attempt, were it still on its way, would be refused.
+      const [{ decision }] = await world.query(`SELECT decision FROM t_commit_decision WHERE reservation_id = $1`, [r.body.id]);
+      expect(decision).toBe('abort');
+      expect((await api.get(`/v1/reservations/${r.body.id}`)).body.state).toBe('held');
+      const retry = await api.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [y] });
+      expect(retry.status).toBe(200);
+      expect(await api.stats('not-landed')).toEqual({ total: 3, free: 2, held: 0, allocated: 1 });
+    });
+
+    it('and Postgres cannot be asked either: 503 that says the outcome is not known, unless the commit never left', async () => {
+      await seedPool(api, 'unknown', numbers(2, '1391000'));
+      const r = await api.post('/v1/pools/unknown/reservations', { owner: 'buyer', count: 2 });
+      const [x] = r.body.items.map((i: { resourceId: string }) => i.resourceId);
+      const resources = api.app.get(ResourceRepository);
+      const decide = vi.spyOn(resources, 'decideAbort').mockImplementation(() => lost(new Error('Query read timeout')));
+      const timedOut = vi.spyOn(resources, 'allocate').mockImplementation(() => lost(new Error('Query read timeout')));
+      try {
+        const answer = await api.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [x] });
+        expect(answer.status).toBe(503);
+        expect(answer.body.error.details).toMatchObject({ dependency: 'postgres', outcome: 'unknown' });
+        expect(answer.body.error.message).toMatch(/may have landed/);
+        // A connection that could not be made: the commit never left, and the usual 503 is true.
+        timedOut.mockImplementation(() => lost(Object.assign(new Error('connect ECONNREFUSED 127.0.0.1:5432'), { code: 'ECONNREFUSED' })));
+        const refused = await api.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [x] });
+        expect(refused.status).toBe(503);
+        expect(refused.body.error.message).toMatch(/nothing was changed/);
+        expect(refused.body.error.details.outcome).toBeUndefined();
+      } finally {
+        decide.mockRestore();
+        timedOut.mockRestore();
+      }
+      expect((await api.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [x] })).status).toBe(200);
+    });
+  });
 });
 
 // A confirm whose version check failed settles its reservation in Redis with what Postgres says now. That
