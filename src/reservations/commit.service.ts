@@ -10,6 +10,9 @@ import { MetricsService } from '../metrics/metrics.service.js';
 import { BatchWaitTimeout } from '../database/batcher.js';
 import { toCachedItem } from '../pools/pools.service.js';
 
+/** Landed commits whose Redis step this instance keeps to send again, at most (see finishQuietly). */
+const MAX_UNFINISHED = 10_000;
+
 /** What a confirm or task completion committed; stored in Postgres and Redis so every retry answers the same. */
 export interface CommitOutcome {
   selection: string[];
@@ -180,13 +183,46 @@ export class CommitService {
     return this.holds.finish(pool.name, reservationId, outcome.allocated, json);
   }
 
-  /** The commit is durable in Postgres; if Redis fails now, the sweeper finishes it from the commit row. */
+  /**
+   * The commit is durable in Postgres; if Redis fails now, the sweeper's upkeep sends the finish again as soon as
+   * Redis takes it (retryFinishes): until then the items the confirm released stay held, and the reservation
+   * reads as held. (Past MAX_UNFINISHED, or should this instance die, the sweeper finishes it from the commit row
+   * once its commit window is over.)
+   */
   private async finishQuietly(pool: PoolEntity, reservationId: string, outcome: CommitOutcome, json?: string): Promise<void> {
     try {
       await this.finish(pool, reservationId, outcome, json);
     } catch (err) {
-      this.logger.warn(`commit of ${reservationId} is durable, Redis clean-up deferred to the sweeper: ${String(err)}`);
+      this.logger.warn(`commit of ${reservationId} is durable, its Redis step is sent again later: ${String(err)}`);
+      if (this.unfinished.size < MAX_UNFINISHED) this.unfinished.set(reservationId, { pool, outcome, json });
     }
+  }
+
+  /** Landed commits whose Redis step failed, by reservation id (see finishQuietly). */
+  private readonly unfinished = new Map<string, { pool: PoolEntity; outcome: CommitOutcome; json?: string }>();
+
+  /** Sends the Redis steps of landed commits that failed again; run by the sweeper's upkeep. Returns how many went. */
+  async retryFinishes(): Promise<number> {
+    let done = 0;
+    for (const [rid, { pool, outcome, json }] of [...this.unfinished]) {
+      await this.finish(pool, rid, outcome, json);
+      this.unfinished.delete(rid);
+      done++;
+    }
+    return done;
+  }
+
+  /**
+   * A reservation Redis shows in the middle of a commit (pinned, or held again after a commit that got no answer):
+   * if the commit landed, its Redis step is done now and the reservation as it then is returned; else null. For
+   * reads, which would otherwise show it held while Postgres has it confirmed.
+   */
+  async finishIfLanded(pool: PoolEntity, r: StoredReservation): Promise<StoredReservation | null> {
+    if (r.epoch === 0 || (r.state !== 'confirming' && r.state !== 'held')) return null;
+    const landed = await this.landedCommit(r.id);
+    if (!landed) return null;
+    await this.finish(pool, r.id, landed);
+    return this.holds.read(pool.name, r.id);
   }
 
   /**

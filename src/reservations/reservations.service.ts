@@ -78,8 +78,9 @@ export class ReservationsService {
     this.metrics.reservations.inc({ pool: pool.name, outcome: result.status });
     switch (result.status) {
       case 'ok':
+        return { created: true, reservation: toReservationDto(pool.name, result.reservation) };
       case 'replay':
-        return { created: result.status === 'ok', reservation: toReservationDto(pool.name, result.reservation) };
+        return { created: false, reservation: toReservationDto(pool.name, await this.settledView(pool, result.reservation)) };
       case 'exhausted':
         if (result.limited) {
           throw new DomainError(
@@ -109,10 +110,18 @@ export class ReservationsService {
   async get(id: string): Promise<ReservationDto> {
     const pool = await poolOf(this.catalog, id);
     const stored = await this.holds.read(pool.name, id);
-    if (stored) return toReservationDto(pool.name, stored);
+    if (stored) return toReservationDto(pool.name, await this.settledView(pool, stored));
     const committed = await this.committer.landedCommit(id);
     if (committed) return committedReservationDto(pool.name, id, committed);
     throw notFound(id);
+  }
+
+  /**
+   * A reservation in the middle of a commit may be confirmed in Postgres already (its Redis step failed, or is on
+   * its way): then it is finished now, and shown confirmed. Shown as Redis has it when Postgres cannot be asked.
+   */
+  private async settledView(pool: PoolEntity, r: StoredReservation): Promise<StoredReservation> {
+    return (await this.committer.finishIfLanded(pool, r).catch(() => null)) ?? r;
   }
 
   async extend(id: string, ttlMs: number): Promise<ReservationDto> {

@@ -116,7 +116,8 @@ export class SweeperService implements OnApplicationBootstrap, OnModuleDestroy {
   }
 
   /**
-   * The reserves that got no answer and could not be undone yet, the stalled commits the sweep found, the free
+   * The reserves that got no answer and could not be undone yet, the landed commits whose Redis step failed, the
+   * stalled commits the sweep found, the free
    * items an import or release left out of Redis, the pool list and the wiped-Redis check, each failing on its own.
    */
   async upkeep(): Promise<void> {
@@ -126,6 +127,12 @@ export class SweeperService implements OnApplicationBootstrap, OnModuleDestroy {
       if (undone > 0) this.logger.log(`${undone} reserves that got no answer from Redis undone`);
     } catch (err) {
       this.warn('upkeep', 'undoing reserves that got no answer', err);
+    }
+    try {
+      const finished = await this.committer.retryFinishes();
+      if (finished > 0) this.logger.log(`${finished} landed commits finished in Redis after their first try failed`);
+    } catch (err) {
+      this.warn('upkeep', 'finishing landed commits in Redis', err);
     }
     for (const [key, { pool, rid }] of [...this.stalled]) {
       this.stalled.delete(key);
