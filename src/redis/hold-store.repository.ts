@@ -263,8 +263,17 @@ export class HoldStore implements OnApplicationShutdown {
     return reply[0] === 'ok' ? parseReservation(reply) : null;
   }
 
-  async pin(pool: string, reservationId: string, selection: string[], windowMs: number): Promise<PinResult> {
-    const reply = await this.run<string[]>('pin', pool, reservationId, windowMs, selection.join(','), this.config.HOLD_GRACE_MS);
+  /** `endedEpoch`: an epoch Postgres has ended; the pin starts a new one rather than join it. */
+  async pin(pool: string, reservationId: string, selection: string[], windowMs: number, endedEpoch?: number): Promise<PinResult> {
+    const reply = await this.run<string[]>(
+      'pin',
+      pool,
+      reservationId,
+      windowMs,
+      selection.join(','),
+      this.config.HOLD_GRACE_MS,
+      endedEpoch ?? '',
+    );
     switch (reply[0]) {
       case 'pinned':
       case 'confirmed':

@@ -42,10 +42,13 @@ export class CommitService {
     private readonly generations: GenerationRepository,
   ) {}
 
-  /** `again`: this is the one more try of a commit the sweeper gave up while it was slow (see allocate). */
-  async commit(pool: PoolEntity, reservationId: string, resourceIds: string[], again = false): Promise<CommitOutcome> {
+  /**
+   * `decidedEpoch`: this is the one more try of a commit whose epoch Postgres ended before it landed (the sweeper
+   * gave it up while the commit was slow, or another attempt of it got no answer): its pin must not join that epoch.
+   */
+  async commit(pool: PoolEntity, reservationId: string, resourceIds: string[], decidedEpoch?: number): Promise<CommitOutcome> {
     const selection = [...resourceIds].sort(compareIds);
-    const pin = await this.holds.pin(pool.name, reservationId, selection, this.config.COMMIT_WINDOW_MS);
+    const pin = await this.holds.pin(pool.name, reservationId, selection, this.config.COMMIT_WINDOW_MS, decidedEpoch);
     switch (pin.status) {
       case 'missing': {
         // Redis no longer knows it (wiped, or retention over): Postgres knows every commit.
@@ -65,7 +68,7 @@ export class CommitService {
       case 'confirmed':
         return sameSelection(pin.reservation.outcome as unknown as CommitOutcome, selection);
       case 'pinned':
-        return this.allocate(pool, pin.reservation, selection, again);
+        return this.allocate(pool, pin.reservation, selection, decidedEpoch !== undefined);
     }
   }
 
@@ -132,11 +135,12 @@ export class CommitService {
       return sameSelection(committed, selection);
     }
     if (result === 'decided') {
-      // The commit outlasted its window (Postgres slow), and the sweeper gave its epoch up: nothing landed. The
-      // hold may well be due still, and API.md promises such a confirm success: once more, in a new epoch (the
-      // window is over, so the pin starts one). Its items are still this reservation's unless its hold ran out
-      // and someone took them (then HOLD_LOST, as it should be).
-      if (!again) return this.commit(pool, r.id, selection, true);
+      // Postgres ended this epoch before the commit got there, and nothing landed: the commit outlasted its window
+      // (Postgres slow) and the sweeper gave the epoch up, or another confirm that joined it got no answer and gave
+      // it up (see the catch above). The hold may well be due still, and API.md promises such a confirm success:
+      // once more, in a new epoch (never the ended one, though its window may still be open). Its items are still
+      // this reservation's unless its hold ran out and someone took them (then HOLD_LOST, as it should be).
+      if (!again) return this.commit(pool, r.id, selection, r.epoch);
       this.metrics.confirmConflicts.inc({ reason: 'commit_window_passed' });
       throw new DomainError(
         ErrorCode.HOLD_LOST,

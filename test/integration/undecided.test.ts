@@ -295,6 +295,50 @@ describe('commits whose outcome the caller never saw', () => {
       expect(await api.stats('not-landed')).toEqual({ total: 3, free: 2, held: 0, allocated: 1 });
     });
 
+    it('gives its epoch up before answering 503, yet the same confirm that joined the epoch on another instance succeeds', async () => {
+      // The payment system's retry of a confirm reaches instance b while a's commit hangs: b joins a's epoch. a gets no
+      // answer and ends the epoch in Postgres before b's commit gets there (it waited for a batch slot).
+      const b = await world.start({ SWEEP_INTERVAL_MS: '10000', RECONCILE_INTERVAL_MS: '0' });
+      try {
+        await seedPool(api, 'joined-then-ended', numbers(3, '1392000'));
+        const r = await api.post('/v1/pools/joined-then-ended/reservations', { owner: 'buyer', count: 3 });
+        const [x] = r.body.items.map((i: { resourceId: string }) => i.resourceId);
+        const path = `/v1/reservations/${r.body.id}/confirm`;
+        let unblockA!: () => void;
+        const aGate = new Promise<void>((resolve) => (unblockA = resolve));
+        const aAllocate = vi.spyOn(api.app.get(ResourceRepository), 'allocate').mockImplementation(async () => {
+          await aGate;
+          return lost(new Error('Query read timeout'));
+        });
+        let aAnswered!: () => void;
+        const aDone = new Promise<void>((resolve) => (aAnswered = resolve));
+        const bResources = b.app.get(ResourceRepository);
+        const allocate = bResources.allocate.bind(bResources);
+        const bAllocate = vi.spyOn(bResources, 'allocate').mockImplementation(async (allocation) => (await aDone, allocate(allocation)));
+        try {
+          const first = api.post(path, { resourceIds: [x] });
+          await sleep(200);
+          const second = b.post(path, { resourceIds: [x] });
+          await sleep(200);
+          const stored = await b.app.get(HoldStore).read('joined-then-ended', r.body.id);
+          expect([stored?.state, stored?.epoch]).toEqual(['confirming', 1]); // b joined epoch 1
+          unblockA();
+          const answerA = await first;
+          aAnswered();
+          const answerB = await second;
+          expect(answerA.status).toBe(503); // and true: Postgres ended epoch 1 before anything landed in it
+          // b's confirm arrived long before expiresAt, its hold intact: API.md says it succeeds.
+          expect(answerB.status, JSON.stringify(answerB.body)).toBe(200);
+        } finally {
+          aAllocate.mockRestore();
+          bAllocate.mockRestore();
+        }
+        expect(await api.stats('joined-then-ended')).toEqual({ total: 3, free: 2, held: 0, allocated: 1 });
+      } finally {
+        await b.close();
+      }
+    });
+
     it('and Postgres cannot be asked either: 503 that says the outcome is not known, unless the commit never left', async () => {
       await seedPool(api, 'unknown', numbers(2, '1391000'));
       const r = await api.post('/v1/pools/unknown/reservations', { owner: 'buyer', count: 2 });

@@ -5,14 +5,15 @@
 -- epoch's window is open: then it joins (whichever commits first, the other finds the commit).
 -- Postgres records who ended each epoch (the commit, or an abort), so the two can never both happen.
 -- A confirm must not join an epoch that may already be given up: after the window (the sweeper gives
--- it up), or with another selection (the first one's version conflict gives it up); its own commit
--- would be refused while its hold is still due. Two epochs cannot both commit: Postgres keeps one
+-- it up), or with another selection (the first one's version conflict gives it up), nor one its caller
+-- knows Postgres ended (ARGV 6: a confirm that got no answer gives its epoch up before it answers 503,
+-- while another may have joined it); its own commit would be refused while its hold is still due. Two epochs cannot both commit: Postgres keeps one
 -- commit per reservation.
 -- ARGV: 1 base, 2 rid, 3 commit window ms, 4 selection (resource ids, comma separated, sorted), 5 grace ms (see
---       reserve)
+--       reserve), 6 an epoch Postgres has ended ("" = none known): never joined, even while its window is open
 -- Returns: {"pinned", rid, state, owner, kind, createdMs, expiresMs, itemsJson, outcomeJson, nowMs, epoch}
 --          | {"confirmed", ...same} (already committed) | {"missing"} | {"closed"} | {"notin", id} | {"lost", id}
-local base, rid, window, selection, grace = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4], tonumber(ARGV[5])
+local base, rid, window, selection, grace, ended = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4], tonumber(ARGV[5]), ARGV[6]
 local rkey = base .. 'r:' .. rid
 local r = read_reservation(rkey)
 local now = now_ms()
@@ -36,7 +37,7 @@ for i, item in ipairs(selected) do
   if holders[i] and holders[i] ~= rid then return { 'lost', item.id } end
 end
 
-if r.s ~= 'confirming' or tonumber(r.pw or 0) <= now or r.sel ~= selection then
+if r.s ~= 'confirming' or tonumber(r.pw or 0) <= now or r.sel ~= selection or (r.ep or '0') == ended then
   r.ep = tostring(tonumber(r.ep or 0) + 1)
 end
 r.s, r.sel, r.pw = 'confirming', selection, tostring(now + window)
