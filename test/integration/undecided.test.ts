@@ -115,7 +115,7 @@ describe('commits whose outcome the caller never saw', () => {
     const finish = vi.spyOn(api.app.get(HoldStore), 'finish').mockRejectedValueOnce(new Error('Command timed out'));
     try {
       expect((await api.post(`/v1/pools/released-first-2/resources/${id2}/release`, { owner: 'buyer' })).status).toBe(200);
-      expect(finish).toHaveBeenCalledTimes(1);
+      expect(finish).toHaveBeenCalled();
     } finally {
       finish.mockRestore();
     }
