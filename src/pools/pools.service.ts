@@ -6,9 +6,8 @@ import { PoolRepository } from '../database/pool.repository.js';
 import { NewResource, ResourceRepository, ResourceRow } from '../database/resource.repository.js';
 import { isAllocationTombstone } from '../redis/keys.js';
 import { isStringRecord } from '../common/validators.js';
-import { CommitRepository } from '../database/commit.repository.js';
-import { CachedItem, HoldStore } from '../redis/hold-store.repository.js';
-import type { CommitOutcome } from '../reservations/commit.service.js';
+import { CachedItem, HoldStore, toCachedItem } from '../redis/hold-store.repository.js';
+import { CommitService } from '../reservations/commit.service.js';
 import { PoolCatalog } from './pool-catalog.service.js';
 import { CreatePoolDto, ImportResourcesDto, ImportResultDto, PoolDto, PoolWithStatsDto, ResourceDto } from './pool.dto.js';
 
@@ -30,13 +29,6 @@ export function toPoolDto(pool: PoolEntity): PoolDto {
   };
 }
 
-export function toCachedItem(row: Pick<ResourceRow, 'id' | 'value' | 'version' | 'groupKey' | 'attributes'>): CachedItem {
-  const item: CachedItem = { id: row.id, v: row.value, n: row.version };
-  if (row.groupKey !== null) item.g = row.groupKey;
-  if (Object.keys(row.attributes).length > 0) item.a = row.attributes;
-  return item;
-}
-
 @Injectable()
 export class PoolsService {
   private readonly logger = new Logger(PoolsService.name);
@@ -53,7 +45,7 @@ export class PoolsService {
     private readonly catalog: PoolCatalog,
     private readonly holds: HoldStore,
     private readonly generations: GenerationRepository,
-    private readonly commits: CommitRepository,
+    private readonly committer: CommitService,
   ) {}
 
   async create(dto: CreatePoolDto): Promise<PoolDto> {
@@ -176,10 +168,7 @@ export class PoolsService {
   private async finishLandedCommit(pool: PoolEntity, id: string): Promise<void> {
     try {
       const holder = await this.holds.holder(pool.name, id);
-      if (!holder || isAllocationTombstone(holder)) return;
-      const outcome = (await this.commits.find(holder))?.body as unknown as CommitOutcome | undefined;
-      if (!outcome?.allocated.some((item) => item.resourceId === id)) return;
-      await this.holds.finish(pool.name, holder, outcome.allocated, JSON.stringify(outcome));
+      if (holder && !isAllocationTombstone(holder)) await this.committer.finishIfLanded(pool, holder);
     } catch (err) {
       this.logger.warn(`released ${id} of "${pool.name}", still under a finished commit's hold; the sweeper frees it: ${String(err)}`);
     }

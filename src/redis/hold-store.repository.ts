@@ -2,6 +2,7 @@ import { Inject, Injectable, Logger, OnApplicationShutdown } from '@nestjs/commo
 import { readFileSync } from 'node:fs';
 import type { Redis } from 'ioredis';
 import { AppConfig } from '../config/app-config.js';
+import type { ResourceRow } from '../database/resource.repository.js';
 import { isRedisOutage } from '../common/dependency-errors.js';
 import { DomainError, ErrorCode } from '../common/errors.js';
 import { freeMember, legacyAttributeSets, markerKey, poolKeys, rebuildRunKey } from './keys.js';
@@ -17,6 +18,14 @@ export interface CachedItem {
   n: number;
   g?: string | null;
   a?: Record<string, string>;
+}
+
+/** A Postgres row as Redis caches it; the cache leaves a missing group and empty attributes out. */
+export function toCachedItem(row: Pick<ResourceRow, 'id' | 'value' | 'version' | 'groupKey' | 'attributes'>): CachedItem {
+  const item: CachedItem = { id: row.id, v: row.value, n: row.version };
+  if (row.groupKey !== null) item.g = row.groupKey;
+  if (Object.keys(row.attributes).length > 0) item.a = row.attributes;
+  return item;
 }
 
 export type StoredState = 'held' | 'confirming' | 'confirmed' | 'released' | 'expired';

@@ -5,10 +5,9 @@ import { PoolEntity, RESOURCE_ALLOCATED } from '../database/entities.js';
 import { CommitRepository } from '../database/commit.repository.js';
 import { ResourceRepository } from '../database/resource.repository.js';
 import { GenerationRepository } from '../database/generation.repository.js';
-import { AllocatedItem, CachedItem, HoldStore, StoredReservation, compareIds } from '../redis/hold-store.repository.js';
+import { AllocatedItem, CachedItem, HoldStore, StoredReservation, compareIds, toCachedItem } from '../redis/hold-store.repository.js';
 import { MetricsService } from '../metrics/metrics.service.js';
 import { BatchWaitTimeout } from '../database/batcher.js';
-import { toCachedItem } from '../pools/pools.service.js';
 
 /** Landed commits whose Redis step this instance keeps to send again, at most (see finishQuietly). */
 const MAX_UNFINISHED = 10_000;
@@ -217,16 +216,13 @@ export class CommitService {
   }
 
   /**
-   * A reservation Redis shows in the middle of a commit (pinned, or held again after a commit that got no answer):
-   * if the commit landed, its Redis step is done now and the reservation as it then is returned; else null. For
-   * reads, which would otherwise show it held while Postgres has it confirmed.
+   * Finishes in Redis the reservation's commit if Postgres has it (its Redis step failed, or is on its way), so that
+   * what Redis shows catches up at once; returns that commit, or null.
    */
-  async finishIfLanded(pool: PoolEntity, r: StoredReservation): Promise<StoredReservation | null> {
-    if (r.epoch === 0 || (r.state !== 'confirming' && r.state !== 'held')) return null;
-    const landed = await this.landedCommit(r.id);
-    if (!landed) return null;
-    await this.finish(pool, r.id, landed);
-    return this.holds.read(pool.name, r.id);
+  async finishIfLanded(pool: PoolEntity, reservationId: string): Promise<CommitOutcome | null> {
+    const landed = await this.landedCommit(reservationId);
+    if (landed) await this.finish(pool, reservationId, landed);
+    return landed;
   }
 
   /**

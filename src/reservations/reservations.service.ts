@@ -117,11 +117,14 @@ export class ReservationsService {
   }
 
   /**
-   * A reservation in the middle of a commit may be confirmed in Postgres already (its Redis step failed, or is on
-   * its way): then it is finished now, and shown confirmed. Shown as Redis has it when Postgres cannot be asked.
+   * A reservation in the middle of a commit (pinned, or held again after a commit that got no answer) may be
+   * confirmed in Postgres already (its Redis step failed, or is on its way): then it is finished now, and shown
+   * confirmed. Shown as Redis has it when Postgres cannot be asked.
    */
   private async settledView(pool: PoolEntity, r: StoredReservation): Promise<StoredReservation> {
-    return (await this.committer.finishIfLanded(pool, r).catch(() => null)) ?? r;
+    if (r.epoch === 0 || (r.state !== 'confirming' && r.state !== 'held')) return r;
+    const landed = await this.committer.finishIfLanded(pool, r.id).catch(() => null);
+    return (landed && (await this.holds.read(pool.name, r.id))) || r;
   }
 
   async extend(id: string, ttlMs: number): Promise<ReservationDto> {

@@ -6,8 +6,7 @@ import { ResourceRepository } from '../database/resource.repository.js';
 import { MetricsService } from '../metrics/metrics.service.js';
 import { PoolCatalog } from '../pools/pool-catalog.service.js';
 import { isStringRecord } from '../common/validators.js';
-import { toCachedItem } from '../pools/pools.service.js';
-import { HoldStore, REBUILDING, unfinishedRound } from '../redis/hold-store.repository.js';
+import { HoldStore, REBUILDING, toCachedItem, unfinishedRound } from '../redis/hold-store.repository.js';
 
 const JOB = 'rebuild';
 const LEASE_MS = 30_000;
