@@ -5,6 +5,7 @@ import { AppConfig } from '../config/app-config.js';
 import type { ResourceRow } from '../database/resource.repository.js';
 import { isRedisOutage } from '../common/dependency-errors.js';
 import { DomainError, ErrorCode } from '../common/errors.js';
+import { Later } from '../common/later.js';
 import { freeMember, legacyAttributeSets, markerKey, poolKeys, rebuildRunKey } from './keys.js';
 import { REDIS, REDIS_TIMEOUT_MESSAGE, evictionPolicyOf, evictionRefusal, redisNowMs, withTimeout } from './redis.client.js';
 
@@ -340,25 +341,17 @@ export class HoldStore implements OnApplicationShutdown {
   }
 
   /** Reserves that got no answer and could not be undone yet (Redis unreachable), by reservation id. */
-  private readonly undos = new Map<string, { pool: string; reservationId: string; idempotencyKey?: string }>();
+  private readonly undos = new Later<{ pool: string; reservationId: string; idempotencyKey?: string }>(MAX_PENDING_UNDOS);
 
   private undoLater(pool: string, req: ReserveRequest): void {
-    if (this.undos.size >= MAX_PENDING_UNDOS) {
+    if (!this.undos.add(req.reservationId, { pool, reservationId: req.reservationId, idempotencyKey: req.idempotencyKey })) {
       this.logger.warn(`more than ${MAX_PENDING_UNDOS} reserves wait to be undone; ${req.reservationId} is left to expire`);
-      return;
     }
-    this.undos.set(req.reservationId, { pool, reservationId: req.reservationId, idempotencyKey: req.idempotencyKey });
   }
 
   /** Sends the undos that could not be sent (undoLater) again; run by the sweeper's upkeep. Returns how many went. */
-  async retryUndos(): Promise<number> {
-    let done = 0;
-    for (const [rid, undo] of [...this.undos]) {
-      await this.undoReserve(undo.pool, undo.reservationId, undo.idempotencyKey);
-      this.undos.delete(rid);
-      done++;
-    }
-    return done;
+  retryUndos(): Promise<number> {
+    return this.undos.retry((undo) => this.undoReserve(undo.pool, undo.reservationId, undo.idempotencyKey));
   }
 
   async extend(pool: string, reservationId: string, ttlMs: number): Promise<ExtendResult> {
@@ -427,7 +420,7 @@ export class HoldStore implements OnApplicationShutdown {
     // One chunk at a time: each is one script, and Redis serves nothing else while it runs. Sent together,
     // the chunks of an import or a rebuild page would run back to back and hold up every other command.
     let added = 0;
-    for (let i = 0; i < items.length; ) {
+    for (let i = 0; i < items.length;) {
       const chunk: string[] = [];
       for (let writes = 0; i < items.length && chunk.length < ADD_FREE_ITEMS; i++) {
         writes += indexWrites(items[i]);

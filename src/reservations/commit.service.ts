@@ -8,6 +8,7 @@ import { GenerationRepository } from '../database/generation.repository.js';
 import { AllocatedItem, CachedItem, HoldStore, StoredReservation, compareIds, toCachedItem } from '../redis/hold-store.repository.js';
 import { MetricsService } from '../metrics/metrics.service.js';
 import { BatchWaitTimeout } from '../database/batcher.js';
+import { Later } from '../common/later.js';
 
 /** Landed commits whose Redis step this instance keeps to send again, at most (see finishQuietly). */
 const MAX_UNFINISHED = 10_000;
@@ -197,22 +198,18 @@ export class CommitService {
       await this.finish(pool, reservationId, outcome, json);
     } catch (err) {
       this.logger.warn(`commit of ${reservationId} is durable, its Redis step is sent again later: ${String(err)}`);
-      if (this.unfinished.size < MAX_UNFINISHED) this.unfinished.set(reservationId, { pool, outcome, json });
+      this.unfinished.add(reservationId, { pool, reservationId, outcome, json });
     }
   }
 
   /** Landed commits whose Redis step failed, by reservation id (see finishQuietly). */
-  private readonly unfinished = new Map<string, { pool: PoolEntity; outcome: CommitOutcome; json?: string }>();
+  private readonly unfinished = new Later<{ pool: PoolEntity; reservationId: string; outcome: CommitOutcome; json?: string }>(
+    MAX_UNFINISHED,
+  );
 
   /** Sends the Redis steps of landed commits that failed again; run by the sweeper's upkeep. Returns how many went. */
-  async retryFinishes(): Promise<number> {
-    let done = 0;
-    for (const [rid, { pool, outcome, json }] of [...this.unfinished]) {
-      await this.finish(pool, rid, outcome, json);
-      this.unfinished.delete(rid);
-      done++;
-    }
-    return done;
+  retryFinishes(): Promise<number> {
+    return this.unfinished.retry(({ pool, reservationId, outcome, json }) => this.finish(pool, reservationId, outcome, json));
   }
 
   /**
