@@ -93,18 +93,14 @@ export class CommitService {
       body: JSON.stringify(outcome),
     };
     let result;
-    let maybeSent = false;
-    const attempt = () =>
-      this.resources.allocate(allocation).catch((err: unknown) => {
-        maybeSent ||= mayHaveReachedPostgres(err);
-        throw err;
-      });
+    let firstFailure: unknown;
     try {
-      result = await attempt().catch((err: unknown) => {
+      result = await this.resources.allocate(allocation).catch((err: unknown) => {
         // A lost connection (a Postgres restart, a session ended while this process was paused): try once
         // more on a fresh one. Safe: if the first attempt did commit, the epoch's decision row says so.
-        if (err instanceof DomainError && err.code === ErrorCode.DEPENDENCY_UNAVAILABLE) return attempt();
-        throw err;
+        if (!(err instanceof DomainError && err.code === ErrorCode.DEPENDENCY_UNAVAILABLE)) throw err;
+        firstFailure = err;
+        return this.resources.allocate(allocation);
       });
     } catch (err) {
       // No answer from Postgres, but the commit may have landed all the same (its answer late, or lost with the
@@ -121,6 +117,7 @@ export class CommitService {
       // Held again until its expiry, so the caller's retry can still succeed (in a new epoch). Should the commit
       // have landed unseen after all, the sweeper finds its decision row at expiry and finishes it.
       await this.holds.unpin(pool.name, r).catch(() => false);
+      const maybeSent = mayHaveReachedPostgres(err) || (firstFailure !== undefined && mayHaveReachedPostgres(firstFailure));
       if (settled === null && maybeSent) throw outcomeUnknown(err);
       throw err;
     }
