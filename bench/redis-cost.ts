@@ -164,7 +164,7 @@ for i = 1, ops do
     if released[1] ~= 'released' then error('release: ' .. tostring(released[1])) end
   elseif flow == 'reserve 3 + confirm 1' then
     local item = cjson.decode(reserve(rid, '3', '60000', grace)[8])[1]
-    local pinned = pin_body({ base, rid, '15000', item.id })
+    local pinned = pin_body({ base, rid, '15000', item.id, grace, '' })
     if pinned[1] ~= 'pinned' then error('pin: ' .. tostring(pinned[1])) end
     finish_body({ base, rid, item.id, '{}', '60000', '60000', item.v .. '\\0' .. item.id, tostring(item.n + 1) })
   else

@@ -1,0 +1,182 @@
+/**
+ * `npm run bench:redis-ir [-- <ops>] [--annotate]`: how many CPU instructions Redis executes for each hot-path operation of
+ * respool, counted by valgrind's callgrind on a Redis server of this script's own.
+ *
+ * A count of instructions, not a time: it does not move with what else the machine runs (this one is shared,
+ * and its timings drift by tens of per cent within minutes), so two versions of the scripts are compared by
+ * running this once on each (another checkout, or `git stash`) and dividing. Each operation goes through
+ * HoldStore as the service sends it, one at a time (no pipelining, so the figures do not depend on timing);
+ * what Redis' own code, its Lua interpreter and its allocator execute counts, the kernel's work for the
+ * socket does not. Instructions are not time: a cache miss costs more than an instruction, which makes this
+ * a guide for Lua and command counts, while `npm run bench` judges.
+ *
+ * Flows, on one 20,000-item pool of phone numbers (no attributes), `ops` of each (default 400):
+ * - reserve 3: the reserve script;
+ * - confirm 1 of 3: pin, then finish (the two Redis steps of a confirm; Postgres is not involved);
+ * - expiry of a reserve 3: the sweeps that expire them, per reservation (batches as the sweeper sends them);
+ * - release of a reserve 3: DELETE's script.
+ * Needs valgrind (Debian's package). With --annotate, each flow's functions by instructions (callgrind_annotate):
+ * Debian's redis-server has no symbols, so set REDIS_SERVER to a build of the same version with them.
+ * It deletes its server's data when done.
+ */
+import { spawn } from 'node:child_process';
+import { mkdtempSync, readdirSync, readFileSync, rmSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import { execFileSync } from 'node:child_process';
+import { connect } from 'node:net';
+import { Redis } from 'ioredis';
+import { AppConfig } from '../src/config/app-config.js';
+import type { CachedItem, HoldStore as HoldStoreClass } from '../src/redis/hold-store.repository.js';
+import { MAX_BATCHES_PER_TICK, SWEEP_BATCH, SWEEP_WORK_BUDGET } from '../src/sweeper/sweep-limits.js';
+import { freePort } from '../test/support/services.js';
+
+// The service's build (nest build, with the .lua files beside it), not this folder's copy of its sources.
+const { HoldStore } = (await import(new URL('../../src/redis/hold-store.repository.js', import.meta.url).href)) as {
+  HoldStore: typeof HoldStoreClass;
+};
+const annotate = process.argv.includes('--annotate');
+const OPS = Number(process.argv.slice(2).find((a) => !a.startsWith('--')) ?? 400);
+/** The server to count; a build of Redis with symbols (not Debian's stripped one) makes --annotate name its functions. */
+const REDIS_SERVER = process.env.REDIS_SERVER ?? 'redis-server';
+const POOL_SIZE = 20_000;
+const POOL = 'ir';
+const say = (msg: string) => console.log(`[bench:redis-ir ${new Date().toISOString().slice(11, 19)}] ${msg}`);
+const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));
+
+const dir = mkdtempSync(join(tmpdir(), 'respool-ir-'));
+const port = await freePort();
+const server = spawn(
+  'valgrind',
+  [
+    '--tool=callgrind',
+    '--instr-atstart=no',
+    `--callgrind-out-file=${join(dir, 'cg.out')}`,
+    REDIS_SERVER,
+    '--port',
+    String(port),
+    '--bind',
+    '127.0.0.1',
+    '--save',
+    '',
+    '--appendonly',
+    'no',
+  ],
+  { stdio: ['ignore', 'ignore', 'pipe'] },
+);
+let serverLog = '';
+server.stderr.on('data', (chunk: Buffer) => (serverLog += chunk.toString()));
+server.on('error', (err) => {
+  console.error(`cannot start valgrind (apt-get install valgrind): ${err.message}`);
+  process.exit(1);
+});
+
+const control = (...args: string[]) =>
+  execFileSync('callgrind_control', [...args, String(server.pid)], { encoding: 'utf8', stdio: ['ignore', 'pipe', 'pipe'] });
+
+/** Instructions executed by the server while `work` ran. */
+async function instructions(work: () => Promise<void>): Promise<number> {
+  control('-i', 'on');
+  control('-z');
+  await work();
+  control('-d');
+  control('-i', 'off');
+  const dumps = readdirSync(dir)
+    .filter((f) => f.startsWith('cg.out'))
+    .map((f) => join(dir, f));
+  const latest = dumps.sort((a, b) => Number(/\.(\d+)$/.exec(a)?.[1] ?? 0) - Number(/\.(\d+)$/.exec(b)?.[1] ?? 0)).at(-1)!;
+  const totals = /^(?:summary|totals):\s+(\d+)/m.exec(readFileSync(latest, 'utf8'));
+  if (!totals) throw new Error(`no totals in ${latest}`);
+  if (annotate) console.log(execFileSync('callgrind_annotate', [process.env.IR_INCLUSIVE ? '--inclusive=yes' : '--inclusive=no', latest], { encoding: 'utf8' }).split('\n').slice(0, 60).join('\n'));
+  for (const f of dumps) rmSync(f);
+  return Number(totals[1]);
+}
+
+const config = Object.assign(new AppConfig(), { REDIS_KEY_PREFIX: 'ir:', REDIS_TIMEOUT_MS: 120_000, HOLD_GRACE_MS: 0 });
+/** Resolves once something listens on the port (valgrind takes seconds to start the server). */
+async function listening(): Promise<void> {
+  for (let i = 0; i < 1200; i++) {
+    const open = await new Promise<boolean>((resolve) => {
+      const socket = connect(port, '127.0.0.1', () => resolve(true));
+      socket.once('error', () => resolve(false));
+      socket.once('connect', () => socket.destroy());
+    });
+    if (open) return;
+    await sleep(100);
+  }
+  throw new Error(`Redis under valgrind did not listen on ${port} within 120 s`);
+}
+
+await listening();
+const redis = new Redis(`redis://127.0.0.1:${port}`, { maxRetriesPerRequest: null });
+try {
+  const holds = new HoldStore(redis, config);
+  say(`Redis under callgrind on port ${port}; ${POOL_SIZE} items`);
+  await holds.setGeneration(POOL, 1, 'always');
+  const items: CachedItem[] = Array.from({ length: POOL_SIZE }, (_, i) => ({ id: String(1_000_000 + i), v: `+8613${String(i).padStart(9, '0')}`, n: 0 }));
+  await holds.addFree(POOL, 1, await holds.clock(), items);
+
+  let made = 0;
+  const reserve = async (ttlMs: number) => {
+    const r = await holds.reserve(POOL, {
+      reservationId: `ir.${made++}`,
+      owner: `owner-${made % 50}`,
+      count: 3,
+      ttlMs,
+      maxHoldsPerOwner: 0,
+      kind: 'r',
+      groupAffinity: false,
+    });
+    if (r.status !== 'ok') throw new Error(`reserve: ${r.status}`);
+    return r.reservation;
+  };
+  const results: [string, number][] = [];
+  const measure = async (label: string, work: () => Promise<void>) => {
+    const ir = await instructions(work);
+    results.push([label, ir / OPS]);
+    say(`${label}: ${(ir / OPS).toFixed(0)} instructions an operation`);
+  };
+
+  const kept: Awaited<ReturnType<typeof reserve>>[] = [];
+  await measure('reserve 3', async () => {
+    for (let i = 0; i < OPS; i++) kept.push(await reserve(600_000));
+  });
+  const toConfirm = kept.splice(0, OPS);
+  await measure('confirm 1 of 3 (pin + finish)', async () => {
+    for (const r of toConfirm) {
+      const chosen = r.items[0];
+      const pin = await holds.pin(POOL, r.id, [chosen.id], config.COMMIT_WINDOW_MS);
+      if (pin.status !== 'pinned') throw new Error(`pin: ${pin.status}`);
+      await holds.finish(POOL, r.id, [{ resourceId: chosen.id, value: chosen.v, version: chosen.n + 1 }], '{}');
+    }
+  });
+  const toRelease: string[] = [];
+  for (let i = 0; i < OPS; i++) toRelease.push((await reserve(600_000)).id);
+  await measure('release of a reserve 3', async () => {
+    for (const id of toRelease) {
+      const released = await holds.release(POOL, id);
+      if (released.status !== 'released') throw new Error(`release: ${released.status}`);
+    }
+  });
+  for (let i = 0; i < OPS; i++) await reserve(1000);
+  await sleep(1500);
+  await measure('expiry of a reserve 3 (sweeps)', async () => {
+    let expired = 0;
+    for (let batch = 0; batch < MAX_BATCHES_PER_TICK && expired < OPS; batch++) {
+      const swept = await holds.sweep(POOL, SWEEP_BATCH, config.COMMIT_WINDOW_MS, SWEEP_WORK_BUDGET);
+      expired += swept.expiredReservations;
+      if (!swept.more) break;
+    }
+    if (expired !== OPS) throw new Error(`swept ${expired} of ${OPS}`);
+  });
+
+  console.log(`\nRedis instructions an operation (callgrind, ${OPS} operations each, one at a time)\n`);
+  console.log('| operation | instructions |\n| --- | ---: |');
+  for (const [label, per] of results) console.log(`| ${label} | ${per.toFixed(0)} |`);
+} finally {
+  redis.disconnect();
+  server.kill('SIGTERM');
+  await new Promise((r) => server.once('exit', r));
+  rmSync(dir, { recursive: true, force: true });
+  if (process.exitCode) console.error(serverLog.slice(-2000));
+}
