@@ -171,17 +171,23 @@ local function count_items(base, owner, kind, items, delta)
   end
 end
 
--- Drops the holds this reservation still has and returns those items to the free index. An item with
--- no cache entry was allocated meanwhile (finish drops the entry): it is not free. `keep_own`: the items this
--- reservation still holds stay held (their commit is undecided); only those whose hold ran out go back.
+-- Drops the holds this reservation still has and returns those items to the free index. `keep_own`: the
+-- items this reservation still holds stay held (their commit is undecided); only those whose hold ran out go
+-- back. An item whose hold ran out goes back only if it has a cache entry: with none, it was allocated
+-- meanwhile (finish drops the entry). An item held by this reservation until now was not (nothing allocates
+-- an item another reservation holds), so its entry is not looked up; should one be missing all the same (a
+-- hand edit, a finish that came after its own hold ran out), reserve drops the index entry it meets without one.
 local function free_items(base, rid, items, keep_own)
   local back = {}
   for _, item in ipairs(items) do
     local hkey = base .. 'h:' .. item.id
     local holder = redis.call('GET', hkey)
-    local drop = holder == rid and not keep_own
-    if drop then redis.call('DEL', hkey) end
-    if (drop or not holder) and redis.call('HEXISTS', item_key(base, item.id), item.id) == 1 then
+    if holder == rid then
+      if not keep_own then
+        redis.call('DEL', hkey)
+        back[#back + 1] = item
+      end
+    elseif not holder and redis.call('HEXISTS', item_key(base, item.id), item.id) == 1 then
       back[#back + 1] = item
     end
   end

@@ -286,12 +286,19 @@ if #chosen < count then
 end
 
 local rkey = base .. 'r:' .. rid
+-- The owner's counters are read by the quota check and by lease affinity alone, and a pool's
+-- maxHoldsPerOwner never changes: a reservation of a pool without a quota counts nowhere (no "cnt").
+local counted = max_holds > 0 or kind == 'l'
 local r = { o = owner, k = kind, s = 'held', i = '[' .. table.concat(jsons, ',') .. ']', c = tostring(now),
-  e = tostring(now + ttl), cnt = '1', g = generation }
-redis.call('HSET', rkey, 'o', r.o, 'k', r.k, 's', r.s, 'i', r.i, 'c', r.c, 'e', r.e, 'cnt', r.cnt, 'g', r.g)
+  e = tostring(now + ttl), cnt = counted and '1' or nil, g = generation }
+if counted then
+  redis.call('HSET', rkey, 'o', r.o, 'k', r.k, 's', r.s, 'i', r.i, 'c', r.c, 'e', r.e, 'cnt', r.cnt, 'g', r.g)
+  count_items(base, owner, kind, items, 1)
+else
+  redis.call('HSET', rkey, 'o', r.o, 'k', r.k, 's', r.s, 'i', r.i, 'c', r.c, 'e', r.e, 'g', r.g)
+end
 redis.call('PEXPIRE', rkey, hold_ms + open_record_ms)
 redis.call('ZADD', base .. 'exp', now + hold_ms, rid)
-count_items(base, owner, kind, items, 1)
 if idem_key ~= '' then
   redis.call('SET', base .. 'idem:' .. idem_key, rid .. '\n' .. body_hash, 'PX', idem_ttl)
 end
