@@ -21,6 +21,16 @@ export interface CommitOutcome {
   owner: string;
   items: CachedItem[];
   expiresMs: number;
+  /** A reservation ("r") or a task lease ("l"); absent in commits recorded before it was kept. */
+  kind?: 'r' | 'l';
+}
+
+/**
+ * Whether a commit is a task lease's completion. A commit recorded before its kind was kept says nothing: one
+ * of a single item is taken for a lease (a reservation made through /reservations on a task pool may hold one).
+ */
+export function isLeaseCommit(outcome: CommitOutcome): boolean {
+  return outcome.kind === undefined ? outcome.items.length === 1 : outcome.kind === 'l';
 }
 
 /**
@@ -82,6 +92,7 @@ export class CommitService {
       owner: r.owner,
       items: r.items,
       expiresMs: r.expiresMs,
+      kind: r.kind,
     };
     const allocation = {
       poolId: pool.id,

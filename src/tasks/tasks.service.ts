@@ -6,7 +6,7 @@ import { MetricsService } from '../metrics/metrics.service.js';
 import { PoolCatalog } from '../pools/pool-catalog.service.js';
 import { HoldStore, StoredReservation } from '../redis/hold-store.repository.js';
 import { makeReservationId } from '../redis/keys.js';
-import { CommitService, notFound } from '../reservations/commit.service.js';
+import { CommitOutcome, CommitService, isLeaseCommit, notFound } from '../reservations/commit.service.js';
 import { ReservationsService, holdTtl, poolOf } from '../reservations/reservations.service.js';
 import { HeartbeatResultDto, NextTaskDto, TaskLeaseDto, TaskStateDto } from './task.dto.js';
 
@@ -65,16 +65,16 @@ export class TasksService {
       const outcome = await this.committer.commit(pool, leaseId, [resourceId]);
       return { leaseId, resourceId: outcome.allocated[0].resourceId, state: 'completed' };
     }
-    // Redis no longer has the lease: answer from its Postgres commit row, if it was completed. That row does
-    // not say whether it was a lease; one that allocated several items was not.
-    const committed = await this.reservations.get(leaseId);
-    if (committed.items.length !== 1) throw notFound(leaseId);
-    return { leaseId, resourceId: committed.allocated?.[0]?.resourceId ?? committed.items[0].resourceId, state: 'completed' };
+    // Redis no longer has the lease (retention over, or a wipe): answer from its Postgres commit row, if it was
+    // a lease's and completed.
+    const committed = await this.landedLease(leaseId);
+    return { leaseId, resourceId: committed.allocated[0].resourceId, state: 'completed' };
   }
 
   async abandon(leaseId: string): Promise<TaskStateDto> {
     const pool = await this.leasePool(leaseId);
-    await this.readLease(pool, leaseId);
+    // Redis no longer has it: 409 if it is a completed lease (releaseHold says so), 404 if it is none.
+    if (!(await this.readLease(pool, leaseId))) await this.landedLease(leaseId);
     const lease = await this.reservations.releaseHold(pool, leaseId);
     return { leaseId, resourceId: lease.items[0].id, state: 'abandoned' };
   }
@@ -96,6 +96,16 @@ export class TasksService {
     const stored = await this.holds.read(pool.name, leaseId);
     if (stored && stored.kind !== 'l') throw notFound(leaseId);
     return stored;
+  }
+
+  /**
+   * The commit Postgres recorded for a lease Redis no longer has. A reservation made through /reservations on
+   * a task pool is no lease, there too: 404, as for an unknown id or a lease never completed.
+   */
+  private async landedLease(leaseId: string): Promise<CommitOutcome> {
+    const committed = await this.committer.landedCommit(leaseId);
+    if (!committed || !isLeaseCommit(committed)) throw notFound(leaseId);
+    return committed;
   }
 
   /** The task pool of a lease id; a reservation of a number pool is no lease (404, as an unknown id). */
