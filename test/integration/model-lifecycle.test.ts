@@ -11,42 +11,7 @@
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { randomUUID } from 'node:crypto';
 import { HttpAnswer, TestInstance, TestWorld, numbers, seedPool, sleep } from '../support/harness.js';
-
-// ---------- deterministic PRNG ----------
-function mulberry32(a: number) {
-  return () => {
-    a |= 0;
-    a = (a + 0x6d2b79f5) | 0;
-    let t = Math.imul(a ^ (a >>> 15), 1 | a);
-    t = (t + Math.imul(t ^ (t >>> 7), 61 | t)) ^ t;
-    return ((t ^ (t >>> 14)) >>> 0) / 4294967296;
-  };
-}
-class Rng {
-  private next: () => number;
-  constructor(seed: number) {
-    this.next = mulberry32(seed * 7919 + 17);
-  }
-  int = (lo: number, hi: number) => lo + Math.floor(this.next() * (hi - lo + 1));
-  pick = <T>(xs: readonly T[]): T => xs[Math.floor(this.next() * xs.length)];
-  chance = (p: number) => this.next() < p;
-  shuffle = <T>(xs: readonly T[]): T[] => {
-    const a = [...xs];
-    for (let i = a.length - 1; i > 0; i--) {
-      const j = Math.floor(this.next() * (i + 1));
-      [a[i], a[j]] = [a[j], a[i]];
-    }
-    return a;
-  };
-  weighted = <T>(choices: [number, T][]): T => {
-    const total = choices.reduce((s, [w]) => s + w, 0);
-    let x = this.next() * total;
-    for (const [w, v] of choices) {
-      if ((x -= w) < 0) return v;
-    }
-    return choices[choices.length - 1][1];
-  };
-}
+import { Rng } from '../support/random.js';
 
 // ---------- the model ----------
 type ItemState = 'free' | 'held' | 'allocated';
@@ -92,7 +57,7 @@ interface SeqConfig {
 }
 
 async function runSequence(world: TestWorld, apis: TestInstance[], seed: number, steps: number) {
-  const rng = new Rng(seed);
+  const rng = new Rng(seed * 7919 + 17);
   const cfg: SeqConfig = {
     n: rng.int(6, 12),
     maxHoldsPerOwner: rng.chance(0.4) ? rng.int(2, 5) : undefined,
