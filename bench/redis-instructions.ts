@@ -12,9 +12,10 @@
  *
  * Flows, on one 20,000-item pool of phone numbers (no attributes), `ops` of each (default 400):
  * - reserve 3: the reserve script;
- * - confirm 1 of 3: pin, then finish (the two Redis steps of a confirm; Postgres is not involved);
+ * - confirm 1 of 3: pin, and finish (the two Redis steps of a confirm; Postgres is not involved);
  * - expiry of a reserve 3: the sweeps that expire them, per reservation (batches as the sweeper sends them);
- * - release of a reserve 3: DELETE's script.
+ * - release of a reserve 3: DELETE's script;
+ * - and, for scale, an EVALSHA that returns at once, and one of the prelude every script starts with (_lib.lua).
  * Needs valgrind (Debian's package). With --annotate, each flow's functions by instructions (callgrind_annotate):
  * Debian's redis-server has no symbols, so set REDIS_SERVER to a build of the same version with them.
  * It deletes its server's data when done.
@@ -87,7 +88,13 @@ async function instructions(work: () => Promise<void>): Promise<number> {
   const latest = dumps.sort((a, b) => Number(/\.(\d+)$/.exec(a)?.[1] ?? 0) - Number(/\.(\d+)$/.exec(b)?.[1] ?? 0)).at(-1)!;
   const totals = /^(?:summary|totals):\s+(\d+)/m.exec(readFileSync(latest, 'utf8'));
   if (!totals) throw new Error(`no totals in ${latest}`);
-  if (annotate) console.log(execFileSync('callgrind_annotate', [process.env.IR_INCLUSIVE ? '--inclusive=yes' : '--inclusive=no', latest], { encoding: 'utf8' }).split('\n').slice(0, 60).join('\n'));
+  if (annotate)
+    console.log(
+      execFileSync('callgrind_annotate', [process.env.IR_INCLUSIVE ? '--inclusive=yes' : '--inclusive=no', latest], { encoding: 'utf8' })
+        .split('\n')
+        .slice(0, 60)
+        .join('\n'),
+    );
   for (const f of dumps) rmSync(f);
   return Number(totals[1]);
 }
@@ -113,7 +120,11 @@ try {
   const holds = new HoldStore(redis, config);
   say(`Redis under callgrind on port ${port}; ${POOL_SIZE} items`);
   await holds.setGeneration(POOL, 1, 'always');
-  const items: CachedItem[] = Array.from({ length: POOL_SIZE }, (_, i) => ({ id: String(1_000_000 + i), v: `+8613${String(i).padStart(9, '0')}`, n: 0 }));
+  const items: CachedItem[] = Array.from({ length: POOL_SIZE }, (_, i) => ({
+    id: String(1_000_000 + i),
+    v: `+8613${String(i).padStart(9, '0')}`,
+    n: 0,
+  }));
   await holds.addFree(POOL, 1, await holds.clock(), items);
 
   let made = 0;
@@ -142,11 +153,17 @@ try {
     for (let i = 0; i < OPS; i++) kept.push(await reserve(600_000));
   });
   const toConfirm = kept.splice(0, OPS);
-  await measure('confirm 1 of 3 (pin + finish)', async () => {
+  const pinned: typeof toConfirm = [];
+  await measure("confirm 1 of 3: pin (the confirm's first script)", async () => {
     for (const r of toConfirm) {
-      const chosen = r.items[0];
-      const pin = await holds.pin(POOL, r.id, [chosen.id], config.COMMIT_WINDOW_MS);
+      const pin = await holds.pin(POOL, r.id, [r.items[0].id], config.COMMIT_WINDOW_MS);
       if (pin.status !== 'pinned') throw new Error(`pin: ${pin.status}`);
+      pinned.push(pin.reservation);
+    }
+  });
+  await measure('confirm 1 of 3: finish (its last script, after the commit)', async () => {
+    for (const r of pinned) {
+      const chosen = r.items[0];
       await holds.finish(POOL, r.id, [{ resourceId: chosen.id, value: chosen.v, version: chosen.n + 1 }], '{}');
     }
   });
@@ -168,6 +185,21 @@ try {
       if (!swept.more) break;
     }
     if (expired !== OPS) throw new Error(`swept ${expired} of ${OPS}`);
+  });
+
+  // What every script pays before its own work: an EVALSHA that returns at once, and one that first runs the shared
+  // prelude (_lib.lua) every script of src/redis/scripts starts with.
+  const lib = readFileSync(new URL('../../src/redis/scripts/_lib.lua', import.meta.url), 'utf8');
+  redis.defineCommand('ir_empty', { numberOfKeys: 1, lua: 'return 1' });
+  redis.defineCommand('ir_prelude', { numberOfKeys: 1, lua: `${lib}\nreturn 1` });
+  const calibration = redis as unknown as Record<'ir_empty' | 'ir_prelude', (key: string) => Promise<number>>;
+  await calibration.ir_empty('k');
+  await calibration.ir_prelude('k');
+  await measure('an EVALSHA that returns at once', async () => {
+    for (let i = 0; i < OPS; i++) await calibration.ir_empty('k');
+  });
+  await measure('an EVALSHA of the shared prelude alone', async () => {
+    for (let i = 0; i < OPS; i++) await calibration.ir_prelude('k');
   });
 
   console.log(`\nRedis instructions an operation (callgrind, ${OPS} operations each, one at a time)\n`);

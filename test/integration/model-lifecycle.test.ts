@@ -12,6 +12,7 @@ import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { randomUUID } from 'node:crypto';
 import { HttpAnswer, TestInstance, TestWorld, numbers, seedPool, sleep } from '../support/harness.js';
 import { Rng } from '../support/random.js';
+import { judge, mismatches, parseSeeds } from '../support/model.js';
 
 // ---------- the model ----------
 type ItemState = 'free' | 'held' | 'allocated';
@@ -37,8 +38,6 @@ interface KeyRec {
   body: Record<string, unknown>;
   rid: string;
 }
-
-class Mismatch extends Error {}
 
 /** JSON with object keys sorted: key order carries no meaning in JSON (Postgres' jsonb reorders them). */
 const canon = (v: unknown): string =>
@@ -86,28 +85,11 @@ async function runSequence(world: TestWorld, apis: TestInstance[], seed: number,
   const failedKeys = new Map<string, Record<string, unknown>>();
   let keyCounter = 0;
 
-  const fail = (step: number, what: string): never => {
-    throw new Mismatch(
-      `\n=== MISMATCH seed=${seed} step=${step}: ${what}\n--- history (replay with MODEL_SEEDS=${seed} MODEL_STEPS=${steps}) ---\n` +
-        history.map((h, i) => `${String(i).padStart(3)} ${h}`).join('\n'),
-    );
-  };
-  const api = () => {
-    const i = rng.int(0, apis.length - 1);
-    return { i, a: apis[i] };
-  };
-  const short = (r: HttpAnswer) => `${r.status} ${JSON.stringify(r.body).slice(0, 400)}`;
-  const errCode = (r: HttpAnswer) => r.body?.error?.code;
+  const { fail, api, short, errCode, expectStatus } = judge({ seed, steps, replay: ['MODEL_SEEDS', 'MODEL_STEPS'], history, rng, apis });
 
   const heldBy = (owner: string) =>
     [...reservations.values()].filter((r) => r.owner === owner && r.state === 'held').reduce((s, r) => s + r.items.length, 0);
   const freeCount = () => [...items.values()].filter((i) => i.state === 'free').length;
-
-  /** The status (and code) must be one of those allowed. */
-  const expectStatus = (step: number, r: HttpAnswer, allowed: [number, string?][]) => {
-    const ok = allowed.some(([s, c]) => r.status === s && (c === undefined || errCode(r) === c));
-    if (!ok) fail(step, `expected ${allowed.map(([s, c]) => `${s}${c ? ' ' + c : ''}`).join(' or ')}, got ${short(r)}`);
-  };
 
   const sameSet = (a: string[], b: string[]) => a.length === b.length && [...a].sort().join(',') === [...b].sort().join(',');
 
@@ -673,16 +655,6 @@ async function runSequence(world: TestWorld, apis: TestInstance[], seed: number,
   }
 }
 
-function parseSeeds(spec: string): number[] {
-  const out: number[] = [];
-  for (const part of spec.split(',')) {
-    const [a, b] = part.split('-').map(Number);
-    if (b === undefined) out.push(a);
-    else for (let s = a; s <= b; s++) out.push(s);
-  }
-  return out;
-}
-
 describe('model-based: the reservation lifecycle against API.md, on two instances', () => {
   const world = new TestWorld('model');
   const apis: TestInstance[] = [];
@@ -695,15 +667,7 @@ describe('model-based: the reservation lifecycle against API.md, on two instance
   it('random sequences of reserves, replays, extends, confirms, releases and expiries agree with the model', async () => {
     const seeds = parseSeeds(process.env.MODEL_SEEDS ?? '1-10');
     const steps = Number(process.env.MODEL_STEPS ?? 40);
-    const failures: string[] = [];
-    for (const seed of seeds) {
-      try {
-        await runSequence(world, apis, seed, steps);
-      } catch (err) {
-        if (!(err instanceof Mismatch)) throw err;
-        failures.push(err.message);
-      }
-    }
+    const failures = await mismatches(seeds, (seed) => runSequence(world, apis, seed, steps));
     expect(failures).toEqual([]);
   }, 600_000);
 });

@@ -17,6 +17,7 @@ import { Redis } from 'ioredis';
 import { HttpAnswer, TestInstance, TestWorld, sleep } from '../support/harness.js';
 import { REDIS_URL } from '../support/services.js';
 import { Rng } from '../support/random.js';
+import { judge, mismatches, parseSeeds } from '../support/model.js';
 
 // ---------- the model ----------
 interface MTask {
@@ -39,8 +40,6 @@ interface MLease {
   expiresAt: number;
   completeBody?: unknown;
 }
-
-class Mismatch extends Error {}
 
 const REVIEWERS = ['r-1', 'r-2', 'r-3'];
 const GROUPS = ['ga', 'gb', 'gc'];
@@ -109,22 +108,14 @@ async function runSequence(
   const leases = new Map<string, MLease>();
   let shortBatches = 0;
 
-  const fail = (step: number, what: string): never => {
-    throw new Mismatch(
-      `\n=== MISMATCH seed=${seed} step=${step}: ${what}\n--- history (replay with TASK_MODEL_SEEDS=${seed} TASK_MODEL_STEPS=${steps}) ---\n` +
-        history.map((h, i) => `${String(i).padStart(3)} ${h}`).join('\n'),
-    );
-  };
-  const api = () => {
-    const i = rng.int(0, apis.length - 1);
-    return { i, a: apis[i] };
-  };
-  const short = (r: HttpAnswer) => `${r.status} ${JSON.stringify(r.body)?.slice(0, 300)}`;
-  const errCode = (r: HttpAnswer) => r.body?.error?.code;
-  const expectStatus = (step: number, r: HttpAnswer, allowed: [number, string?][]) => {
-    const ok = allowed.some(([s, c]) => r.status === s && (c === undefined || errCode(r) === c));
-    if (!ok) fail(step, `expected ${allowed.map(([s, c]) => `${s}${c ? ' ' + c : ''}`).join(' or ')}, got ${short(r)}`);
-  };
+  const { fail, api, short, errCode, expectStatus } = judge({
+    seed,
+    steps,
+    replay: ['TASK_MODEL_SEEDS', 'TASK_MODEL_STEPS'],
+    history,
+    rng,
+    apis,
+  });
   const expectExpiry = (step: number, iso: unknown, sentAt: number, answeredAt: number, ttl: number, what: string) => {
     const exp = typeof iso === 'string' ? Date.parse(iso) : NaN;
     if (Number.isNaN(exp) || exp < sentAt + ttl - SLACK_MS || exp > answeredAt + ttl + SLACK_MS)
@@ -596,16 +587,6 @@ async function runSequence(
     fail(end, `t_commit ${JSON.stringify(gotCommits)} != completed leases ${JSON.stringify(wantCommits)}`);
 }
 
-function parseSeeds(spec: string): number[] {
-  const out: number[] = [];
-  for (const part of spec.split(',')) {
-    const [a, b] = part.split('-').map(Number);
-    if (b === undefined) out.push(a);
-    else for (let s = a; s <= b; s++) out.push(s);
-  }
-  return out;
-}
-
 describe('model-based: review-task leases against API.md, on two instances', () => {
   // A Redis shared with other work may stall for a second now and then: no 503 for that.
   const world = new TestWorld('tmodel', { REDIS_TIMEOUT_MS: '10000' });
@@ -624,16 +605,8 @@ describe('model-based: review-task leases against API.md, on two instances', () 
   it('random pulls, heartbeats, completes, abandons, releases and expiries agree with the model', async () => {
     const seeds = parseSeeds(process.env.TASK_MODEL_SEEDS ?? '1-4');
     const steps = Number(process.env.TASK_MODEL_STEPS ?? 30);
-    const failures: string[] = [];
     const coverage = new Map<string, number>();
-    for (const seed of seeds) {
-      try {
-        await runSequence(world, apis, redis, seed, steps, coverage);
-      } catch (err) {
-        if (!(err instanceof Mismatch)) throw err;
-        failures.push(err.message);
-      }
-    }
+    const failures = await mismatches(seeds, (seed) => runSequence(world, apis, redis, seed, steps, coverage));
     expect(failures).toEqual([]);
     if (seeds.length * steps >= 100) {
       // The walk reached what it is for: pulls judged by the affinity rule, and leases that ran out.
