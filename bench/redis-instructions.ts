@@ -17,20 +17,19 @@
  * - release of a reserve 3: DELETE's script;
  * - and, for scale, an EVALSHA that returns at once, and one of the prelude every script starts with (_lib.lua).
  * Needs valgrind (Debian's package). With --annotate, each flow's functions by instructions (callgrind_annotate):
- * Debian's redis-server has no symbols, so set REDIS_SERVER to a build of the same version with them.
+ * Debian's redis-server has no symbols, so put a build of the same version with them first on the PATH (the
+ * server is the first redis-server found there); IR_INCLUSIVE=1 lists inclusive counts instead of self counts.
  * It deletes its server's data when done.
  */
-import { spawn } from 'node:child_process';
+import { execFileSync } from 'node:child_process';
 import { mkdtempSync, readdirSync, readFileSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
-import { execFileSync } from 'node:child_process';
-import { connect } from 'node:net';
 import { Redis } from 'ioredis';
 import { AppConfig } from '../src/config/app-config.js';
 import type { CachedItem, HoldStore as HoldStoreClass } from '../src/redis/hold-store.repository.js';
 import { MAX_BATCHES_PER_TICK, SWEEP_BATCH, SWEEP_WORK_BUDGET } from '../src/sweeper/sweep-limits.js';
-import { freePort } from '../test/support/services.js';
+import { OwnRedis } from '../test/support/services.js';
 
 // The service's build (nest build, with the .lua files beside it), not this folder's copy of its sources.
 const { HoldStore } = (await import(new URL('../../src/redis/hold-store.repository.js', import.meta.url).href)) as {
@@ -38,39 +37,18 @@ const { HoldStore } = (await import(new URL('../../src/redis/hold-store.reposito
 };
 const annotate = process.argv.includes('--annotate');
 const OPS = Number(process.argv.slice(2).find((a) => !a.startsWith('--')) ?? 400);
-/** The server to count; a build of Redis with symbols (not Debian's stripped one) makes --annotate name its functions. */
-const REDIS_SERVER = process.env.REDIS_SERVER ?? 'redis-server';
 const POOL_SIZE = 20_000;
 const POOL = 'ir';
 const say = (msg: string) => console.log(`[bench:redis-ir ${new Date().toISOString().slice(11, 19)}] ${msg}`);
 const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));
 
 const dir = mkdtempSync(join(tmpdir(), 'respool-ir-'));
-const port = await freePort();
-const server = spawn(
-  'valgrind',
-  [
-    '--tool=callgrind',
-    '--instr-atstart=no',
-    `--callgrind-out-file=${join(dir, 'cg.out')}`,
-    REDIS_SERVER,
-    '--port',
-    String(port),
-    '--bind',
-    '127.0.0.1',
-    '--save',
-    '',
-    '--appendonly',
-    'no',
-  ],
-  { stdio: ['ignore', 'ignore', 'pipe'] },
+// Counting starts switched off (the pool's import is not counted); valgrind takes seconds to start the server.
+const server = await OwnRedis.start(
+  [],
+  ['valgrind', '--tool=callgrind', '--instr-atstart=no', `--callgrind-out-file=${join(dir, 'cg.out')}`],
+  120_000,
 );
-let serverLog = '';
-server.stderr.on('data', (chunk: Buffer) => (serverLog += chunk.toString()));
-server.on('error', (err) => {
-  console.error(`cannot start valgrind (apt-get install valgrind): ${err.message}`);
-  process.exit(1);
-});
 
 const control = (...args: string[]) =>
   execFileSync('callgrind_control', [...args, String(server.pid)], { encoding: 'utf8', stdio: ['ignore', 'pipe', 'pipe'] });
@@ -100,25 +78,10 @@ async function instructions(work: () => Promise<void>): Promise<number> {
 }
 
 const config = Object.assign(new AppConfig(), { REDIS_KEY_PREFIX: 'ir:', REDIS_TIMEOUT_MS: 120_000, HOLD_GRACE_MS: 0 });
-/** Resolves once something listens on the port (valgrind takes seconds to start the server). */
-async function listening(): Promise<void> {
-  for (let i = 0; i < 1200; i++) {
-    const open = await new Promise<boolean>((resolve) => {
-      const socket = connect(port, '127.0.0.1', () => resolve(true));
-      socket.once('error', () => resolve(false));
-      socket.once('connect', () => socket.destroy());
-    });
-    if (open) return;
-    await sleep(100);
-  }
-  throw new Error(`Redis under valgrind did not listen on ${port} within 120 s`);
-}
-
-await listening();
-const redis = new Redis(`redis://127.0.0.1:${port}`, { maxRetriesPerRequest: null });
+const redis = new Redis(server.url, { maxRetriesPerRequest: null });
 try {
   const holds = new HoldStore(redis, config);
-  say(`Redis under callgrind on port ${port}; ${POOL_SIZE} items`);
+  say(`Redis under callgrind on port ${server.port}; ${POOL_SIZE} items`);
   await holds.setGeneration(POOL, 1, 'always');
   const items: CachedItem[] = Array.from({ length: POOL_SIZE }, (_, i) => ({
     id: String(1_000_000 + i),
@@ -152,10 +115,9 @@ try {
   await measure('reserve 3', async () => {
     for (let i = 0; i < OPS; i++) kept.push(await reserve(600_000));
   });
-  const toConfirm = kept.splice(0, OPS);
-  const pinned: typeof toConfirm = [];
+  const pinned: typeof kept = [];
   await measure("confirm 1 of 3: pin (the confirm's first script)", async () => {
-    for (const r of toConfirm) {
+    for (const r of kept) {
       const pin = await holds.pin(POOL, r.id, [r.items[0].id], config.COMMIT_WINDOW_MS);
       if (pin.status !== 'pinned') throw new Error(`pin: ${pin.status}`);
       pinned.push(pin.reservation);
@@ -207,8 +169,6 @@ try {
   for (const [label, per] of results) console.log(`| ${label} | ${per.toFixed(0)} |`);
 } finally {
   redis.disconnect();
-  server.kill('SIGTERM');
-  await new Promise((r) => server.once('exit', r));
+  await server.stop();
   rmSync(dir, { recursive: true, force: true });
-  if (process.exitCode) console.error(serverLog.slice(-2000));
 }

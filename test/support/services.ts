@@ -94,10 +94,18 @@ export async function deleteKeys(redisUrl: string, prefix: string): Promise<void
 /** A redis-server of the test's own, on a spare loopback port, that the test may flush, stop and restart. */
 export class OwnRedis {
   private child: ChildProcess | undefined;
-  constructor(readonly port: number) {}
+  /**
+   * `under`: a command the server runs under (valgrind and its options, say), then redis-server and its arguments;
+   * `readyWithinMs`: how long it may take to answer PING (far longer under valgrind).
+   */
+  constructor(
+    readonly port: number,
+    private readonly under: string[] = [],
+    private readonly readyWithinMs = 5000,
+  ) {}
 
-  static async start(extraArgs: string[] = []): Promise<OwnRedis> {
-    const own = new OwnRedis(await freePort());
+  static async start(extraArgs: string[] = [], under: string[] = [], readyWithinMs?: number): Promise<OwnRedis> {
+    const own = new OwnRedis(await freePort(), under, readyWithinMs);
     await own.start(extraArgs);
     return own;
   }
@@ -106,13 +114,19 @@ export class OwnRedis {
     return `redis://127.0.0.1:${this.port}`;
   }
 
+  /** The process started (redis-server, or the command it runs under). */
+  get pid(): number | undefined {
+    return this.child?.pid;
+  }
+
   async start(extraArgs: string[] = []): Promise<void> {
-    this.child = spawn(
+    const [command, ...args] = [
+      ...this.under,
       'redis-server',
-      ['--port', String(this.port), '--bind', '127.0.0.1', '--save', '', '--appendonly', 'no', ...extraArgs],
-      { stdio: 'ignore' },
-    );
-    for (let i = 0; i < 100; i++) {
+      ...['--port', String(this.port), '--bind', '127.0.0.1', '--save', '', '--appendonly', 'no', ...extraArgs],
+    ];
+    this.child = spawn(command, args, { stdio: 'ignore' });
+    for (const deadline = Date.now() + this.readyWithinMs; Date.now() < deadline;) {
       const probe = new Redis(this.url, { lazyConnect: true, retryStrategy: () => null, maxRetriesPerRequest: 0 });
       probe.on('error', () => undefined); // refused while the server starts: expected
       try {
@@ -125,7 +139,7 @@ export class OwnRedis {
         await new Promise((r) => setTimeout(r, 50));
       }
     }
-    throw new Error(`redis-server on port ${this.port} did not start`);
+    throw new Error(`${command} on port ${this.port} did not start`);
   }
 
   async stop(): Promise<void> {
