@@ -101,7 +101,7 @@ export class OwnRedis {
   constructor(
     readonly port: number,
     private readonly under: string[] = [],
-    private readonly readyWithinMs = 5000,
+    private readonly readyWithinMs = 10_000,
   ) {}
 
   static async start(extraArgs: string[] = [], under: string[] = [], readyWithinMs?: number): Promise<OwnRedis> {
