@@ -18,9 +18,9 @@
 import Fastify from 'fastify';
 import { Redis } from 'ioredis';
 import { randomUUID } from 'node:crypto';
-import { readFileSync } from 'node:fs';
 import pg from 'pg';
 import { AppConfig } from '../src/config/app-config.js';
+import { loadScript } from '../src/redis/lua-prelude.js';
 import { Batcher } from '../src/database/batcher.js';
 import { MAX_BATCHES_IN_FLIGHT, MAX_COMMITS_PER_BATCH } from '../src/database/commit-batches.js';
 import { MAX_BATCHES_PER_TICK, SWEEP_BATCH, SWEEP_WORK_BUDGET } from '../src/sweeper/sweep-limits.js';
@@ -41,10 +41,9 @@ function sweepLikeRespool(sweepBatch: () => Promise<boolean>): void {
 
 if (mode === 'ceiling') {
   const scripts = new URL('../../src/redis/scripts/', import.meta.url);
-  const lib = readFileSync(new URL('_lib.lua', scripts), 'utf8');
   const redis = new Redis(url);
-  redis.defineCommand('rp_reserve', { numberOfKeys: 1, lua: `${lib}\n${readFileSync(new URL('reserve.lua', scripts), 'utf8')}` });
-  redis.defineCommand('rp_sweep', { numberOfKeys: 1, lua: `${lib}\n${readFileSync(new URL('sweep.lua', scripts), 'utf8')}` });
+  redis.defineCommand('rp_reserve', { numberOfKeys: 1, lua: loadScript(scripts, 'reserve') });
+  redis.defineCommand('rp_sweep', { numberOfKeys: 1, lua: loadScript(scripts, 'sweep') });
   const base = `${arg}{ceiling}:`;
   const call = redis as unknown as Record<string, (...args: unknown[]) => Promise<string[]>>;
   sweepLikeRespool(async () => Number((await call.rp_sweep(`${base}free`, base, SWEEP_BATCH, 60_000, 15_000, SWEEP_WORK_BUDGET))[2]) === 1);

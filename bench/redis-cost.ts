@@ -25,10 +25,11 @@
  */
 import { readFileSync } from 'node:fs';
 import { join } from 'node:path';
-import { fileURLToPath } from 'node:url';
+import { fileURLToPath, pathToFileURL } from 'node:url';
 import { randomUUID } from 'node:crypto';
 import { Redis } from 'ioredis';
 import { poolKeys } from '../src/redis/keys.js';
+import { loadScript } from '../src/redis/lua-prelude.js';
 import { redisNowMs } from '../src/redis/redis.client.js';
 import { deleteKeys } from '../test/support/services.js';
 import { medianOf } from './load.js';
@@ -52,9 +53,8 @@ const REDIS_URL = process.env.REDIS_URL ?? 'redis://127.0.0.1:6379';
 const redis = new Redis(REDIS_URL, { enableAutoPipelining: true });
 const scripts = fileURLToPath(new URL('../../src/redis/scripts/', import.meta.url));
 const readScript = (dir: string, name: string) => readFileSync(join(dir, `${name}.lua`), 'utf8');
-const lib = readScript(scripts, '_lib');
 for (const name of ['reserve', 'release', 'add_free']) {
-  redis.defineCommand(`rp_${name}`, { numberOfKeys: 1, lua: `${lib}\n${readScript(scripts, name)}` });
+  redis.defineCommand(`rp_${name}`, { numberOfKeys: 1, lua: loadScript(pathToFileURL(scripts + '/'), name) });
 }
 const call = redis as unknown as Record<string, (...args: unknown[]) => Promise<string[]>>;
 

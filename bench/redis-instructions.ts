@@ -15,7 +15,8 @@
  * - confirm 1 of 3: pin, and finish (the two Redis steps of a confirm; Postgres is not involved);
  * - expiry of a reserve 3: the sweeps that expire them, per reservation (batches as the sweeper sends them);
  * - release of a reserve 3: DELETE's script;
- * - and, for scale, an EVALSHA that returns at once, and one of the prelude every script starts with (_lib.lua).
+ * - and, for scale, an EVALSHA that returns at once, and one of the whole shared prelude (_lib.lua; each script
+ *   carries only the helpers of it that it uses).
  * Needs valgrind (Debian's package). With --annotate, each flow's functions by instructions (callgrind_annotate):
  * Debian's redis-server has no symbols, so put a build of the same version with them first on the PATH (the
  * server is the first redis-server found there); IR_INCLUSIVE=1 lists inclusive counts instead of self counts.
@@ -149,8 +150,8 @@ try {
     if (expired !== OPS) throw new Error(`swept ${expired} of ${OPS}`);
   });
 
-  // What every script pays before its own work: an EVALSHA that returns at once, and one that first runs the shared
-  // prelude (_lib.lua) every script of src/redis/scripts starts with.
+  // What every script pays before its own work: an EVALSHA that returns at once; and, for scale, one that first runs
+  // the whole shared prelude (_lib.lua), of which each script of src/redis/scripts carries the helpers it uses.
   const lib = readFileSync(new URL('../../src/redis/scripts/_lib.lua', import.meta.url), 'utf8');
   redis.defineCommand('ir_empty', { numberOfKeys: 1, lua: 'return 1' });
   redis.defineCommand('ir_prelude', { numberOfKeys: 1, lua: `${lib}\nreturn 1` });
@@ -160,7 +161,7 @@ try {
   await measure('an EVALSHA that returns at once', async () => {
     for (let i = 0; i < OPS; i++) await calibration.ir_empty('k');
   });
-  await measure('an EVALSHA of the shared prelude alone', async () => {
+  await measure('an EVALSHA of the whole shared prelude alone', async () => {
     for (let i = 0; i < OPS; i++) await calibration.ir_prelude('k');
   });
 

@@ -1,11 +1,11 @@
 import { Inject, Injectable, Logger, OnApplicationShutdown } from '@nestjs/common';
-import { readFileSync } from 'node:fs';
 import type { Redis } from 'ioredis';
 import { AppConfig } from '../config/app-config.js';
 import type { ResourceRow } from '../database/resource.repository.js';
 import { isRedisOutage } from '../common/dependency-errors.js';
 import { DomainError, ErrorCode } from '../common/errors.js';
 import { Later } from '../common/later.js';
+import { loadScript } from './lua-prelude.js';
 import { freeMember, legacyAttributeSets, markerKey, poolKeys, rebuildRunKey } from './keys.js';
 import { REDIS, REDIS_TIMEOUT_MESSAGE, evictionPolicyOf, evictionRefusal, redisNowMs, withTimeout } from './redis.client.js';
 
@@ -98,6 +98,7 @@ export interface SweepResult {
   stalled: string[];
 }
 
+const SCRIPT_DIR = new URL('./scripts/', import.meta.url);
 const SCRIPTS = ['reserve', 'read', 'pin', 'unpin', 'finish', 'release', 'extend', 'sweep', 'abort', 'add_free', 'set_generation'] as const;
 type ScriptName = (typeof SCRIPTS)[number];
 type ScriptCall = (key: string, ...args: (string | number)[]) => Promise<unknown>;
@@ -134,11 +135,6 @@ export const ADD_FREE_WRITES = 2_000;
 /** What indexing the item writes in Redis (see ADD_FREE_WRITES). */
 export function indexWrites(item: CachedItem): number {
   return 2 + (item.a ? Object.keys(item.a).length : 0) + (item.g === undefined || item.g === null ? 0 : 1);
-}
-
-function loadScript(name: string): string {
-  const lib = readFileSync(new URL('./scripts/_lib.lua', import.meta.url), 'utf8');
-  return `${lib}\n${readFileSync(new URL(`./scripts/${name}.lua`, import.meta.url), 'utf8')}`;
 }
 
 function parseReservation(reply: string[]): StoredReservation {
@@ -188,7 +184,7 @@ export class HoldStore implements OnApplicationShutdown {
     this.retentionMs = config.RESERVATION_RETENTION_MS;
     this.openRecordMs = Math.max(config.RESERVATION_RETENTION_MS, OPEN_RECORD_MARGIN_MS);
     for (const name of SCRIPTS) {
-      if (!(name in redis)) redis.defineCommand(`rp_${name}`, { numberOfKeys: 1, lua: loadScript(name) });
+      if (!(name in redis)) redis.defineCommand(`rp_${name}`, { numberOfKeys: 1, lua: loadScript(SCRIPT_DIR, name) });
     }
   }
 

@@ -1,4 +1,6 @@
--- Shared helpers, prepended to every script of this folder when it is loaded.
+-- Shared helpers. When a script of this folder is loaded, the helpers it uses (directly or through another
+-- helper) are put in front of it, and no others (src/redis/lua-prelude.ts): so this file holds only
+-- `local function` blocks, each ending with an `end` at the start of a line, its comment right above it.
 --
 -- Key layout of a pool (every key carries the pool in a {hash tag}: one Redis Cluster slot a pool):
 --   <base>free           ZSET, score 0, member "<value>\0<id>": the free, unheld items (lex order = value prefix search)
