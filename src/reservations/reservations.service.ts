@@ -144,6 +144,10 @@ export class ReservationsService {
       case 'closed':
         throw new DomainError(ErrorCode.RESERVATION_CLOSED, 'the reservation is already confirmed or released', { id });
       case 'missing':
+        // Redis no longer has it (retention over, or a wipe): a confirmed one is still known to Postgres.
+        if (await this.committer.landedCommit(id)) {
+          throw new DomainError(ErrorCode.RESERVATION_CLOSED, 'the reservation is confirmed', { id });
+        }
         throw notFound(id);
     }
   }

@@ -52,7 +52,8 @@ export class TasksService {
 
   async heartbeat(leaseId: string, leaseMs: number | undefined): Promise<HeartbeatResultDto> {
     const pool = await this.leasePool(leaseId);
-    await this.readLease(pool, leaseId);
+    // Redis no longer has it: 409 if it is a completed lease (extendHold says so), 404 if it is none.
+    if (!(await this.readLease(pool, leaseId))) await this.landedLease(leaseId);
     const lease = await this.reservations.extendHold(pool, leaseId, leaseMs ?? pool.holdTtlMs);
     return { leaseId, expiresAt: new Date(lease.expiresMs).toISOString() };
   }
