@@ -72,7 +72,9 @@ export type ReserveResult =
   | { status: 'reused' };
 
 export type PinResult =
-  | { status: 'pinned' | 'confirmed'; reservation: StoredReservation }
+  | { status: 'confirmed'; reservation: StoredReservation }
+  /** `retaken`: the selected items whose hold had run out, which the pin took back (see unpin). */
+  | { status: 'pinned'; reservation: StoredReservation; retaken: string[] }
   | { status: 'missing' | 'closed' }
   | { status: 'notin' | 'lost'; resourceId: string };
 
@@ -282,8 +284,9 @@ export class HoldStore implements OnApplicationShutdown {
     );
     switch (reply[0]) {
       case 'pinned':
+        return { status: 'pinned', reservation: parseReservation(reply), retaken: reply[13] ? reply[13].split(',') : [] };
       case 'confirmed':
-        return { status: reply[0], reservation: parseReservation(reply) };
+        return { status: 'confirmed', reservation: parseReservation(reply) };
       case 'notin':
       case 'lost':
         return { status: reply[0], resourceId: reply[1] };
@@ -313,9 +316,12 @@ export class HoldStore implements OnApplicationShutdown {
   /**
    * A commit attempt failed before Postgres decided it: held again until its expiry. `pinned` is the
    * reservation as the failed pin returned it (its epoch and window end). False if left to the sweeper.
+   * `giveBack`: when the commit surely never reached Postgres, the items the pin took back after their hold had
+   * run out (PinResult's `retaken`); past the reservation's expiry they go back to the pool at once.
    */
-  async unpin(pool: string, pinned: Pick<StoredReservation, 'id' | 'epoch' | 'pinnedUntilMs'>): Promise<boolean> {
-    return (await this.run<number>('unpin', pool, pinned.id, pinned.epoch, pinned.pinnedUntilMs, this.config.HOLD_GRACE_MS)) === 1;
+  async unpin(pool: string, pinned: Pick<StoredReservation, 'id' | 'epoch' | 'pinnedUntilMs'>, giveBack: string[] = []): Promise<boolean> {
+    const args = [pinned.id, pinned.epoch, pinned.pinnedUntilMs, this.config.HOLD_GRACE_MS, giveBack.join(',')];
+    return (await this.run<number>('unpin', pool, ...args)) === 1;
   }
 
   /** `abortedEpoch`: the reservation's commit epoch, which Postgres has recorded as given up. */

@@ -135,12 +135,16 @@ export class SweeperService implements OnApplicationBootstrap, OnModuleDestroy {
       this.warn('upkeep', 'finishing landed commits in Redis', err);
     }
     for (const [key, { pool, rid }] of [...this.stalled]) {
-      this.stalled.delete(key);
       try {
         const outcome = await this.committer.recoverStalled(pool, rid);
+        this.stalled.delete(key);
         this.logger.log(`${pool.name}: commit of ${rid} settled after its window: ${outcome}`);
       } catch (err) {
         this.warn('upkeep', `settling the commit of ${rid}`, err);
+        // Postgres or Redis is out: this one and those after it are tried again at the next upkeep, not a whole
+        // COMMIT_WINDOW_MS later when the sweep would report them again (their items stay held until then).
+        if (err instanceof DomainError && err.code === ErrorCode.DEPENDENCY_UNAVAILABLE) break;
+        this.stalled.delete(key);
       }
     }
     try {

@@ -225,6 +225,83 @@ describe('recovery: Redis wiped or down, Postgres down, an instance gone', () =>
     await proxy.cut();
   });
 
+  it('invariant 6: a late confirm answered 503 while Postgres is unreachable leaves the items its expired hold had in the pool', async () => {
+    const proxy = await TcpProxy.start(5432);
+    const viaProxy = await world.start({
+      DATABASE_URL: `postgres://postgres@127.0.0.1:${proxy.port}/${world.dbName}`,
+      DB_TIMEOUT_MS: '1000',
+      // Its own keys: the other instance of this file, whose Postgres answers, must not settle the commit.
+      REDIS_KEY_PREFIX: `${world.prefix}late:`,
+      RECONCILE_INTERVAL_MS: '0',
+    });
+    try {
+      await seedPool(viaProxy, 'late-503', numbers(1));
+      const r = await viaProxy.post('/v1/pools/late-503/reservations', { owner: 'buyer', count: 1, ttlMs: 1000 });
+      expect(r.status).toBe(201);
+      const item = r.body.items[0].resourceId as string;
+      // The hold runs out and the sweeper puts the item back; then the payment callback comes, while Postgres is out.
+      await eventually(async () => (await viaProxy.get(`/v1/pools/late-503/resources/${item}`)).body.state === 'free', 5000);
+      expect((await viaProxy.get(`/v1/reservations/${r.body.id}`)).body.state).toBe('expired');
+      await proxy.cut();
+      const confirm = await viaProxy.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [item] });
+      expect(confirm.status).toBe(503);
+      expect(confirm.body.error.code).toBe('DEPENDENCY_UNAVAILABLE');
+      expect(confirm.body.error.message).toContain('nothing was changed');
+      // Nothing was changed: the item is as free as before, for the next caller (Redis alone serves a reserve).
+      const next = await viaProxy.post('/v1/pools/late-503/reservations', { owner: 'next', count: 1 });
+      expect(next.status).toBe(201);
+      expect(next.body.items[0].resourceId).toBe(item);
+      // Once Postgres is back, the late confirm finds the item taken, and the next caller's confirm succeeds.
+      await proxy.open();
+      const again = await viaProxy.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [item] });
+      expect(again.status).toBe(409);
+      expect((await viaProxy.post(`/v1/reservations/${next.body.id}/confirm`, { resourceIds: [item] })).status).toBe(200);
+      const rows = await world.query(`SELECT owner, state FROM t_resource WHERE id = $1`, [item]);
+      expect(rows).toEqual([{ owner: 'next', state: 2 }]);
+    } finally {
+      await proxy.cut();
+      await viaProxy.close();
+    }
+  });
+
+  it('invariant 4: a commit left undecided by a Postgres outage is settled at the first upkeep after Postgres is back', async () => {
+    const proxy = await TcpProxy.start(5432);
+    const viaProxy = await world.start({
+      DATABASE_URL: `postgres://postgres@127.0.0.1:${proxy.port}/${world.dbName}`,
+      DB_TIMEOUT_MS: '1000',
+      COMMIT_WINDOW_MS: '12000',
+      REDIS_KEY_PREFIX: `${world.prefix}stalled:`,
+      RECONCILE_INTERVAL_MS: '0',
+    });
+    try {
+      await seedPool(viaProxy, 'stalled', numbers(1));
+      const r = await viaProxy.post('/v1/pools/stalled/reservations', { owner: 'buyer', count: 1, ttlMs: 1000 });
+      const item = r.body.items[0].resourceId as string;
+      await eventually(async () => (await viaProxy.get(`/v1/pools/stalled/resources/${item}`)).body.state === 'free', 5000);
+      // Postgres hangs: the late confirm's commit times out, and may have landed, so its item stays pinned until
+      // Postgres has said whether it did.
+      proxy.latencyMs = 60_000;
+      const pinnedAt = Date.now();
+      const confirm = await viaProxy.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [item] });
+      expect(confirm.status).toBe(503);
+      // The commit window ends while Postgres still hangs: the sweeper's attempt to settle it then fails (every
+      // Postgres call of its upkeep waits for DB_TIMEOUT_MS, so that attempt may come a few seconds late).
+      await sleep(pinnedAt + 17_000 - Date.now());
+      expect((await viaProxy.post('/v1/pools/stalled/reservations', { owner: 'next', count: 1 })).status).toBe(409);
+      await proxy.cut();
+      proxy.latencyMs = 0;
+      await proxy.open();
+      // Settled at the next upkeep, not a whole commit window (12 s) after the failed attempt, when the sweep would
+      // report it again.
+      await eventually(async () => (await viaProxy.post('/v1/pools/stalled/reservations', { owner: 'next', count: 1 })).status === 201, 5000);
+      const rows = await world.query(`SELECT state FROM t_resource WHERE id = $1`, [item]);
+      expect(rows).toEqual([{ state: 1 }]);
+    } finally {
+      await proxy.cut();
+      await viaProxy.close();
+    }
+  }, 40_000);
+
   it('invariant 4: while Postgres hangs (answers nothing), expired holds still come back within 2 s', async () => {
     const proxy = await TcpProxy.start(5432);
     const viaProxy = await world.start({

@@ -11,8 +11,10 @@
 -- commit per reservation.
 -- ARGV: 1 base, 2 rid, 3 commit window ms, 4 selection (resource ids, comma separated, sorted), 5 grace ms (see
 --       reserve), 6 an epoch Postgres has ended ("" = none known): never joined, even while its window is open
--- Returns: {"pinned", rid, state, owner, kind, createdMs, expiresMs, itemsJson, outcomeJson, nowMs, epoch}
---          | {"confirmed", ...same} (already committed) | {"missing"} | {"closed"} | {"notin", id} | {"lost", id}
+-- Returns: {"pinned", rid, state, owner, kind, createdMs, expiresMs, itemsJson, outcomeJson, nowMs, epoch, generation,
+--          pinnedUntil, retaken: the ids of the selected items whose hold had run out, which this pin took back
+--          (comma separated)} | {"confirmed", ...same but retaken} (already committed) | {"missing"} | {"closed"}
+--          | {"notin", id} | {"lost", id}
 local base, rid, window, selection, grace, ended = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4], tonumber(ARGV[5]), ARGV[6]
 local rkey = base .. 'r:' .. rid
 local r = read_reservation(rkey)
@@ -40,25 +42,33 @@ end
 if r.s ~= 'confirming' or tonumber(r.pw or 0) <= now or r.sel ~= selection or (r.ep or '0') == ended then
   r.ep = tostring(tonumber(r.ep or 0) + 1)
 end
-r.s, r.sel, r.pw = 'confirming', selection, tostring(now + window)
+-- Every pin moves the window's end (by 1 ms at least, within one ms), so that unpin can tell whether another pin
+-- joined the epoch after the one whose commit failed.
+local window_end = now + window
+if r.s == 'confirming' and tonumber(r.pw or 0) >= window_end then window_end = tonumber(r.pw) + 1 end
+r.s, r.sel, r.pw = 'confirming', selection, tostring(window_end)
 redis.call('HSET', rkey, 's', r.s, 'sel', r.sel, 'pw', r.pw, 'ep', r.ep or '0')
 -- The sweeper looks at it when the window ends, or when the holds of the items not selected run out, if that is
 -- sooner: should this confirm never end (its instance died), those items are free again then (invariant 4), not
 -- a window later. (The sweep leaves the items this reservation still holds alone.)
-redis.call('ZADD', base .. 'exp', math.min(now + window, (tonumber(r.e) or now) + grace + 1), rid)
+redis.call('ZADD', base .. 'exp', math.min(window_end, (tonumber(r.e) or now) + grace + 1), rid)
 local keep = window + tonumber(redis.call('PTTL', rkey))
 redis.call('PEXPIRE', rkey, keep)
 -- From now on Postgres may commit these items at any moment, until the epoch is decided. Their holds
 -- therefore last as long as the reservation record: they end when the decision is applied (finish, or
 -- abort), never on their own; an item unheld while its commit is undecided could be put back in the
 -- free index by a rebuild page read before the commit.
+local retaken = {}
 for i, item in ipairs(selected) do
   local hkey = base .. 'h:' .. item.id
   if holders[i] ~= rid then
     -- The hold expired. Nobody else holds the item: take it back (out of the free index if the
     -- sweeper already returned it); the version check in Postgres decides whether it is still ours.
     unindex(base, item)
+    retaken[#retaken + 1] = item.id
   end
   redis.call('SET', hkey, rid, 'PX', keep)
 end
-return reply_of('pinned', rid, r, now)
+local reply = reply_of('pinned', rid, r, now)
+reply[#reply + 1] = table.concat(retaken, ',')
+return reply
