@@ -134,17 +134,20 @@ export class SweeperService implements OnApplicationBootstrap, OnModuleDestroy {
     } catch (err) {
       this.warn('upkeep', 'finishing landed commits in Redis', err);
     }
-    for (const [key, { pool, rid }] of [...this.stalled]) {
+    for (const [key, entry] of [...this.stalled]) {
+      // (Deleted first: should the sweep report it again meanwhile, that report stays for the next upkeep.)
+      this.stalled.delete(key);
       try {
-        const outcome = await this.committer.recoverStalled(pool, rid);
-        this.stalled.delete(key);
-        this.logger.log(`${pool.name}: commit of ${rid} settled after its window: ${outcome}`);
+        const outcome = await this.committer.recoverStalled(entry.pool, entry.rid);
+        this.logger.log(`${entry.pool.name}: commit of ${entry.rid} settled after its window: ${outcome}`);
       } catch (err) {
-        this.warn('upkeep', `settling the commit of ${rid}`, err);
-        // Postgres or Redis is out: this one and those after it are tried again at the next upkeep, not a whole
-        // COMMIT_WINDOW_MS later when the sweep would report them again (their items stay held until then).
-        if (err instanceof DomainError && err.code === ErrorCode.DEPENDENCY_UNAVAILABLE) break;
-        this.stalled.delete(key);
+        this.warn('upkeep', `settling the commit of ${entry.rid}`, err);
+        // Postgres or Redis is out: tried again at the next upkeep, last in line, with those not tried yet, not a
+        // whole COMMIT_WINDOW_MS later when the sweep would report it again (its items stay pinned until then).
+        if (err instanceof DomainError && err.code === ErrorCode.DEPENDENCY_UNAVAILABLE) {
+          this.stalled.set(key, entry);
+          break;
+        }
       }
     }
     try {
