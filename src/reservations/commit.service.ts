@@ -83,7 +83,13 @@ export class CommitService {
   }
 
   /** `retaken`: the selected items whose hold had run out, which the pin took back (given back if this fails before Postgres). */
-  private async allocate(pool: PoolEntity, r: StoredReservation, selection: string[], again: boolean, retaken: string[]): Promise<CommitOutcome> {
+  private async allocate(
+    pool: PoolEntity,
+    r: StoredReservation,
+    selection: string[],
+    again: boolean,
+    retaken: string[],
+  ): Promise<CommitOutcome> {
     const chosen = new Set(selection);
     const picked = r.items.filter((i) => chosen.has(i.id)).sort((a, b) => compareIds(a.id, b.id));
     const outcome: CommitOutcome = {

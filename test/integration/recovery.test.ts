@@ -25,6 +25,20 @@ describe('recovery: Redis wiped or down, Postgres down, an instance gone', () =>
     await redis.stop();
   });
 
+  /**
+   * An instance whose Postgres connections go through a proxy the test can cut or slow down. With `keys`, it has
+   * Redis keys of its own: the file's other instance, whose Postgres answers, must not sweep or settle its work.
+   */
+  async function behindPostgresProxy(env: Record<string, string>, keys?: string): Promise<{ proxy: TcpProxy; viaProxy: TestInstance }> {
+    const proxy = await TcpProxy.start(5432);
+    const viaProxy = await world.start({
+      DATABASE_URL: `postgres://postgres@127.0.0.1:${proxy.port}/${world.dbName}`,
+      ...(keys && { REDIS_KEY_PREFIX: `${world.prefix}${keys}:` }),
+      ...env,
+    });
+    return { proxy, viaProxy };
+  }
+
   it('invariant 5: after FLUSHALL, every free item is reservable again within 5 s without a restart, and no allocated item ever is', async () => {
     await seedPool(api, 'wipe', numbers(20));
     const allocated: string[] = [];
@@ -192,11 +206,7 @@ describe('recovery: Redis wiped or down, Postgres down, an instance gone', () =>
   });
 
   it('invariant 6: with Postgres unreachable, confirm answers 503 and allocates nothing; it succeeds once Postgres is back', async () => {
-    const proxy = await TcpProxy.start(5432);
-    const viaProxy = await world.start({
-      DATABASE_URL: `postgres://postgres@127.0.0.1:${proxy.port}/${world.dbName}`,
-      DB_TIMEOUT_MS: '1000',
-    });
+    const { proxy, viaProxy } = await behindPostgresProxy({ DB_TIMEOUT_MS: '1000' });
     await seedPool(viaProxy, 'pg-down', numbers(3));
     const r = await viaProxy.post('/v1/pools/pg-down/reservations', { owner: 'payer', count: 2 });
     const body = { resourceIds: [r.body.items[0].resourceId] };
@@ -227,14 +237,7 @@ describe('recovery: Redis wiped or down, Postgres down, an instance gone', () =>
   });
 
   it('invariant 6: a late confirm answered 503 while Postgres is unreachable leaves the items its expired hold had in the pool', async () => {
-    const proxy = await TcpProxy.start(5432);
-    const viaProxy = await world.start({
-      DATABASE_URL: `postgres://postgres@127.0.0.1:${proxy.port}/${world.dbName}`,
-      DB_TIMEOUT_MS: '1000',
-      // Its own keys: the other instance of this file, whose Postgres answers, must not settle the commit.
-      REDIS_KEY_PREFIX: `${world.prefix}late:`,
-      RECONCILE_INTERVAL_MS: '0',
-    });
+    const { proxy, viaProxy } = await behindPostgresProxy({ DB_TIMEOUT_MS: '1000', RECONCILE_INTERVAL_MS: '0' }, 'late');
     try {
       await seedPool(viaProxy, 'late-503', numbers(1));
       const r = await viaProxy.post('/v1/pools/late-503/reservations', { owner: 'buyer', count: 1, ttlMs: 1000 });
@@ -266,14 +269,10 @@ describe('recovery: Redis wiped or down, Postgres down, an instance gone', () =>
   });
 
   it('invariant 4: a commit left undecided by a Postgres outage is settled at the first upkeep after Postgres is back', async () => {
-    const proxy = await TcpProxy.start(5432);
-    const viaProxy = await world.start({
-      DATABASE_URL: `postgres://postgres@127.0.0.1:${proxy.port}/${world.dbName}`,
-      DB_TIMEOUT_MS: '1000',
-      COMMIT_WINDOW_MS: '12000',
-      REDIS_KEY_PREFIX: `${world.prefix}stalled:`,
-      RECONCILE_INTERVAL_MS: '0',
-    });
+    const { proxy, viaProxy } = await behindPostgresProxy(
+      { DB_TIMEOUT_MS: '1000', COMMIT_WINDOW_MS: '12000', RECONCILE_INTERVAL_MS: '0' },
+      'stalled',
+    );
     try {
       await seedPool(viaProxy, 'stalled', numbers(1));
       const r = await viaProxy.post('/v1/pools/stalled/reservations', { owner: 'buyer', count: 1, ttlMs: 1000 });
@@ -294,7 +293,10 @@ describe('recovery: Redis wiped or down, Postgres down, an instance gone', () =>
       await proxy.open();
       // Settled at the next upkeep, not a whole commit window (12 s) after the failed attempt, when the sweep would
       // report it again.
-      await eventually(async () => (await viaProxy.post('/v1/pools/stalled/reservations', { owner: 'next', count: 1 })).status === 201, 5000);
+      await eventually(
+        async () => (await viaProxy.post('/v1/pools/stalled/reservations', { owner: 'next', count: 1 })).status === 201,
+        5000,
+      );
       const rows = await world.query(`SELECT state FROM t_resource WHERE id = $1`, [item]);
       expect(rows).toEqual([{ state: 1 }]);
     } finally {
@@ -304,14 +306,7 @@ describe('recovery: Redis wiped or down, Postgres down, an instance gone', () =>
   }, 40_000);
 
   it('invariant 4: while Postgres hangs (answers nothing), expired holds still come back within 2 s', async () => {
-    const proxy = await TcpProxy.start(5432);
-    const viaProxy = await world.start({
-      DATABASE_URL: `postgres://postgres@127.0.0.1:${proxy.port}/${world.dbName}`,
-      // Its own keys: the other instance of this file, whose Postgres answers, must not sweep them.
-      REDIS_KEY_PREFIX: `${world.prefix}hung:`,
-      SWEEP_INTERVAL_MS: '250',
-      RECONCILE_INTERVAL_MS: '0',
-    });
+    const { proxy, viaProxy } = await behindPostgresProxy({ SWEEP_INTERVAL_MS: '250', RECONCILE_INTERVAL_MS: '0' }, 'hung');
     try {
       await seedPool(viaProxy, 'pg-hung', numbers(1));
       // Every Postgres call of the instance now waits for its timeout (DB_TIMEOUT_MS, 5 s): the pool list's

@@ -199,7 +199,8 @@ describe('task calls once a closed record has left Redis', () => {
     // The reservation is still no lease: the same calls must answer as they did (README: the task calls act on leases
     // only; a reservation made through /reservations, even on a task pool, is 404 RESERVATION_NOT_FOUND to them).
     const after = await calls(b, a);
-    const answers = (x: typeof after) => Object.fromEntries(Object.entries(x).map(([call, res]) => [call, { status: res.status, body: res.body }]));
+    const answers = (x: typeof after) =>
+      Object.fromEntries(Object.entries(x).map(([call, res]) => [call, { status: res.status, body: res.body }]));
     expect(answers(after)).toEqual(answers(before));
     // Nothing changed meanwhile.
     const rows = await world.query(`SELECT owner, state, version FROM t_resource ORDER BY owner`);
