@@ -73,8 +73,11 @@ export type ReserveResult =
 
 export type PinResult =
   | { status: 'confirmed'; reservation: StoredReservation }
-  /** `retaken`: the selected items whose hold had run out, which the pin took back (see unpin). */
-  | { status: 'pinned'; reservation: StoredReservation; retaken: string[] }
+  /**
+   * `retaken`: the selected items whose hold had run out, which the pin took back; `opened`: the pin started the
+   * epoch, rather than joining one (both for unpin).
+   */
+  | { status: 'pinned'; reservation: StoredReservation; retaken: string[]; opened: boolean }
   | { status: 'missing' | 'closed' }
   | { status: 'notin' | 'lost'; resourceId: string };
 
@@ -284,7 +287,12 @@ export class HoldStore implements OnApplicationShutdown {
     );
     switch (reply[0]) {
       case 'pinned':
-        return { status: 'pinned', reservation: parseReservation(reply), retaken: reply[13] ? reply[13].split(',') : [] };
+        return {
+          status: 'pinned',
+          reservation: parseReservation(reply),
+          retaken: reply[13] ? reply[13].split(',') : [],
+          opened: reply[14] === '1',
+        };
       case 'confirmed':
         return { status: 'confirmed', reservation: parseReservation(reply) };
       case 'notin':
@@ -316,12 +324,16 @@ export class HoldStore implements OnApplicationShutdown {
   /**
    * A commit attempt failed before Postgres decided it: held again until its expiry. `pinned` is the
    * reservation as the failed pin returned it (its epoch and window end). False if left to the sweeper.
-   * `giveBack`: when the commit surely never reached Postgres, the items the pin took back after their hold had
-   * run out (PinResult's `retaken`); past the reservation's expiry they go back to the pool at once.
+   * `cannotLand`: given when the attempt surely never reached Postgres, or Postgres has ended its epoch, with what
+   * its pin told (PinResult): Redis is then put back as it was before the pin as far as it can be (unpin.lua).
    */
-  async unpin(pool: string, pinned: Pick<StoredReservation, 'id' | 'epoch' | 'pinnedUntilMs'>, giveBack: string[] = []): Promise<boolean> {
-    const args = [pinned.id, pinned.epoch, pinned.pinnedUntilMs, this.config.HOLD_GRACE_MS, giveBack.join(',')];
-    return (await this.run<number>('unpin', pool, ...args)) === 1;
+  async unpin(
+    pool: string,
+    pinned: Pick<StoredReservation, 'id' | 'epoch' | 'pinnedUntilMs'>,
+    cannotLand?: { retaken: string[]; opened: boolean },
+  ): Promise<boolean> {
+    const undo = cannotLand ? [cannotLand.retaken.join(','), cannotLand.opened ? '1' : '0'] : ['', '0'];
+    return (await this.run<number>('unpin', pool, pinned.id, pinned.epoch, pinned.pinnedUntilMs, this.config.HOLD_GRACE_MS, ...undo)) === 1;
   }
 
   /** `abortedEpoch`: the reservation's commit epoch, which Postgres has recorded as given up. */

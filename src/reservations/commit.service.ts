@@ -78,17 +78,17 @@ export class CommitService {
       case 'confirmed':
         return sameSelection(pin.reservation.outcome as unknown as CommitOutcome, selection);
       case 'pinned':
-        return this.allocate(pool, pin.reservation, selection, decidedEpoch !== undefined, pin.retaken);
+        return this.allocate(pool, pin.reservation, selection, decidedEpoch !== undefined, pin);
     }
   }
 
-  /** `retaken`: the selected items whose hold had run out, which the pin took back (given back if this fails before Postgres). */
+  /** `pin`: what the pin told besides the reservation (for unpin, should this attempt fail before Postgres). */
   private async allocate(
     pool: PoolEntity,
     r: StoredReservation,
     selection: string[],
     again: boolean,
-    retaken: string[],
+    pin: { retaken: string[]; opened: boolean },
   ): Promise<CommitOutcome> {
     const chosen = new Set(selection);
     const picked = r.items.filter((i) => chosen.has(i.id)).sort((a, b) => compareIds(a.id, b.id));
@@ -133,11 +133,11 @@ export class CommitService {
         return sameSelection(settled.landed, selection);
       }
       // Held again until its expiry, so the caller's retry can still succeed (in a new epoch). Should the commit
-      // have landed unseen after all, the sweeper finds its decision row at expiry and finishes it. Past its expiry,
-      // what the pin took back of the pool goes back at once if this attempt cannot land (it surely never reached
-      // Postgres, or Postgres has just ended its epoch): the 503 says nothing was changed.
+      // have landed unseen after all, the sweeper finds its decision row at expiry and finishes it. If this attempt
+      // cannot land (it surely never reached Postgres, or Postgres has just ended its epoch), the 503 says nothing
+      // was changed: Redis is put back as it was before the pin, as far as it can be (unpin.lua).
       const maybeSent = mayHaveReachedPostgres(err) || (firstFailure !== undefined && mayHaveReachedPostgres(firstFailure));
-      await this.holds.unpin(pool.name, r, settled !== null || !maybeSent ? retaken : []).catch(() => false);
+      await this.holds.unpin(pool.name, r, settled !== null || !maybeSent ? pin : undefined).catch(() => false);
       if (settled === null && maybeSent) throw outcomeUnknown(err);
       throw err;
     }

@@ -236,6 +236,70 @@ describe('recovery: Redis wiped or down, Postgres down, an instance gone', () =>
     await proxy.cut();
   });
 
+  it('invariant 6: a confirm answered 503 while Postgres is unreachable changes nothing: not retried, all the items come back at expiry', async () => {
+    const { proxy, viaProxy } = await behindPostgresProxy({ DB_TIMEOUT_MS: '1000', RECONCILE_INTERVAL_MS: '0' }, 'unsent');
+    try {
+      await seedPool(viaProxy, 'unsent', numbers(3));
+      const r = await viaProxy.post('/v1/pools/unsent/reservations', { owner: 'payer', count: 3, ttlMs: 3000 });
+      expect(r.status).toBe(201);
+      await proxy.cut();
+      const confirm = await viaProxy.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [r.body.items[0].resourceId] });
+      expect(confirm.status).toBe(503);
+      expect(confirm.body.error.details.outcome).toBeUndefined();
+      expect((await viaProxy.get(`/v1/reservations/${r.body.id}`)).body.state).toBe('held');
+      // The payer gives up. Without the confirm every item would be free again soon after expiresAt, Postgres or not:
+      // so it must be with it (the commit never reached Postgres, so there is nothing to wait for).
+      await sleep(Date.parse(r.body.expiresAt) - Date.now());
+      const { value: next } = await eventually(async () => {
+        const all = await viaProxy.post('/v1/pools/unsent/reservations', { owner: 'next', count: 3 });
+        return all.status === 201 && all;
+      }, 2000);
+      expect((await viaProxy.get(`/v1/reservations/${r.body.id}`)).body.state).toBe('expired');
+      await proxy.open();
+      expect((await viaProxy.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [r.body.items[0].resourceId] })).status).toBe(
+        409,
+      );
+      const confirmed = await viaProxy.post(`/v1/reservations/${next.body.id}/confirm`, { resourceIds: [r.body.items[0].resourceId] });
+      expect(confirmed.status).toBe(200);
+      const allocated = await world.query(
+        `SELECT r.owner FROM t_resource r JOIN t_pool p ON p.id = r.pool_id WHERE p.name = 'unsent' AND r.state = 2`,
+      );
+      expect(allocated).toEqual([{ owner: 'next' }]);
+    } finally {
+      await proxy.cut();
+      await viaProxy.close();
+    }
+  });
+
+  it('invariant 6: after a confirm answered 503 with Postgres unreachable, a retry commits even if Postgres ended the epoch meanwhile', async () => {
+    const { proxy, viaProxy } = await behindPostgresProxy({ DB_TIMEOUT_MS: '1000', RECONCILE_INTERVAL_MS: '0' }, 'retried');
+    try {
+      await seedPool(viaProxy, 'retried', numbers(2));
+      const r = await viaProxy.post('/v1/pools/retried/reservations', { owner: 'payer', count: 2, ttlMs: 60_000 });
+      const body = { resourceIds: [r.body.items[1].resourceId] };
+      await proxy.cut();
+      expect((await viaProxy.post(`/v1/reservations/${r.body.id}/confirm`, body)).status).toBe(503);
+      await proxy.open();
+      // The failed attempt's epoch (1) was given back with everything else. Should its request to end that epoch have
+      // reached Postgres after all (a timeout), Postgres has it ended: the retry's commit in epoch 1 is refused, and
+      // it must go on in a new epoch.
+      await world.query(`INSERT INTO t_commit_decision (reservation_id, epoch, decision) VALUES ($1, 1, 'abort')`, [r.body.id]);
+      const retry = await viaProxy.post(`/v1/reservations/${r.body.id}/confirm`, body);
+      expect(retry.status).toBe(200);
+      expect(retry.body.allocated.map((a: { resourceId: string }) => a.resourceId)).toEqual(body.resourceIds);
+      const decisions = await world.query(`SELECT epoch, decision FROM t_commit_decision WHERE reservation_id = $1 ORDER BY epoch`, [
+        r.body.id,
+      ]);
+      expect(decisions).toEqual([
+        { epoch: 1, decision: 'abort' },
+        { epoch: 2, decision: 'commit' },
+      ]);
+    } finally {
+      await proxy.cut();
+      await viaProxy.close();
+    }
+  });
+
   it('invariant 6: a late confirm answered 503 while Postgres is unreachable leaves the items its expired hold had in the pool', async () => {
     const { proxy, viaProxy } = await behindPostgresProxy({ DB_TIMEOUT_MS: '1000', RECONCILE_INTERVAL_MS: '0' }, 'late');
     try {

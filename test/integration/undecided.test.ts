@@ -164,12 +164,17 @@ describe('commits whose outcome the caller never saw', () => {
     await seedPool(quick, 'pg-down-flow', numbers(3, '1391000'));
     const r = await quick.post('/v1/pools/pg-down-flow/reservations', { owner: 'buyer', count: 3, ttlMs: 1000 });
     const [chosen, ...others] = r.body.items.map((i: { resourceId: string }) => i.resourceId);
-    // Postgres cannot be reached: the confirm (and its retry) get no answer, and neither does the settling of it.
-    const down = () => Promise.reject(DomainError.unavailable('postgres', new Error('connect ECONNREFUSED 127.0.0.1:5432')));
+    // Postgres stops answering: the commit (and its retry) time out, so it may have landed; neither ending its epoch
+    // nor the sweeper's settling of it gets an answer. (A commit that surely never reached Postgres changes nothing
+    // at all: recovery.test.ts.)
+    const down = () => Promise.reject(DomainError.unavailable('postgres', new Error('Query read timeout')));
     const allocate = vi.spyOn(quick.app.get(ResourceRepository), 'allocate').mockImplementation(down);
+    const decide = vi.spyOn(quick.app.get(ResourceRepository), 'decideAbort').mockImplementation(down);
     const settle = vi.spyOn(quick.app.get(CommitService), 'recoverStalled').mockImplementation(down);
     try {
-      expect((await quick.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [chosen] })).status).toBe(503);
+      const confirm = await quick.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [chosen] });
+      expect(confirm.status).toBe(503);
+      expect(confirm.body.error.details.outcome).toBe('unknown');
       await sleep(Math.max(0, Date.parse(r.body.expiresAt) - Date.now()) + 2000);
       // The chosen item waits for Postgres (its commit may have landed unseen); the two others need not.
       const next = await quick.post('/v1/pools/pg-down-flow/reservations', { owner: 'next', count: 2 });
@@ -178,6 +183,7 @@ describe('commits whose outcome the caller never saw', () => {
       expect((await quick.post('/v1/pools/pg-down-flow/reservations', { owner: 'third', count: 1 })).status).toBe(409);
     } finally {
       allocate.mockRestore();
+      decide.mockRestore();
       settle.mockRestore();
     }
     // Postgres back: the sweeper settles the commit, which never landed, and the chosen item is free too.

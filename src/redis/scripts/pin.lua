@@ -13,8 +13,9 @@
 --       reserve), 6 an epoch Postgres has ended ("" = none known): never joined, even while its window is open
 -- Returns: {"pinned", rid, state, owner, kind, createdMs, expiresMs, itemsJson, outcomeJson, nowMs, epoch, generation,
 --          pinnedUntil, retaken: the ids of the selected items whose hold had run out, which this pin took back
---          (comma separated)} | {"confirmed", ...same but retaken} (already committed) | {"missing"} | {"closed"}
---          | {"notin", id} | {"lost", id}
+--          (comma separated), opened: "1" if this pin started the epoch (else it joined one)}
+--          | {"confirmed", ...same but the last two} (already committed) | {"missing"} | {"closed"} | {"notin", id}
+--          | {"lost", id}
 local base, rid, window, selection, grace, ended = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4], tonumber(ARGV[5]), ARGV[6]
 local rkey = base .. 'r:' .. rid
 local r = read_reservation(rkey)
@@ -39,9 +40,8 @@ for i, item in ipairs(selected) do
   if holders[i] and holders[i] ~= rid then return { 'lost', item.id } end
 end
 
-if r.s ~= 'confirming' or tonumber(r.pw or 0) <= now or r.sel ~= selection or (r.ep or '0') == ended then
-  r.ep = tostring(tonumber(r.ep or 0) + 1)
-end
+local opened = r.s ~= 'confirming' or tonumber(r.pw or 0) <= now or r.sel ~= selection or (r.ep or '0') == ended
+if opened then r.ep = tostring(tonumber(r.ep or 0) + 1) end
 -- Every pin moves the window's end (by 1 ms at least, within one ms), so that unpin can tell whether another pin
 -- joined the epoch after the one whose commit failed.
 local window_end = now + window
@@ -71,4 +71,5 @@ for i, item in ipairs(selected) do
 end
 local reply = reply_of('pinned', rid, r, now)
 reply[#reply + 1] = table.concat(retaken, ',')
+reply[#reply + 1] = opened and '1' or '0'
 return reply

@@ -1,38 +1,52 @@
 -- unpin: a commit attempt failed before reaching Postgres' decision (Postgres unreachable, a timeout):
 -- the reservation is held again until its own expiry, as if the confirm had never come, so the caller
--- can retry. Only while the hold has not expired and only for the epoch that failed. The holds stay
--- pinned: the commit may have landed unseen, so they end only when the sweeper has asked Postgres
--- (at expiry, the reservation having an epoch). Not when another confirm has joined the epoch since
--- (the window end, 'pw', is no longer the failed pin's: every pin moves it): that one is still committing.
--- Past its expiry the reservation is left for the sweeper to settle, but when the commit surely never reached
--- Postgres (ARGV 6 lists items), the items the failed pin took back after their hold had run out (pin's
--- "retaken") go back to the pool at once: the epoch cannot land without a pin that joined it, and no earlier
--- epoch had them (a pin holds its items until its epoch is decided), so the 503 leaves them as it found them.
+-- can retry. Only for the epoch that failed, and not when another confirm has joined it since (the window end,
+-- 'pw', is no longer the failed pin's: every pin moves it): that one is still committing.
+-- When the attempt may have landed, the holds of the items it chose stay pinned: they end only when the sweeper
+-- has asked Postgres (at expiry, the reservation having an epoch), and past its expiry the reservation is left to
+-- the sweeper. When it cannot land (it surely never reached Postgres, or Postgres has ended its epoch: ARGV 6
+-- and 7 are given), the confirm's 503 says nothing was changed, and Redis is put back as far as it can be:
+-- - the items the failed pin took back after their hold had run out (pin's "retaken") go back to the pool: no
+--   earlier epoch had them (a pin holds its items until its epoch is decided);
+-- - if that pin opened the reservation's first epoch, every other hold it pinned was the reserve's own: each
+--   gets back the end the reservation gives it, and the reservation has no epoch again (a confirm after this
+--   opens epoch 1 once more; should Postgres have recorded that epoch as given up meanwhile, that confirm's
+--   commit is refused, and it pins again in epoch 2). Its expiry is then a plain one: nothing waits for Postgres.
 -- ARGV: 1 base, 2 rid, 3 epoch, 4 the window end the failed pin set, 5 grace ms (see reserve),
---       6 the ids the failed pin took back, comma separated, if its commit surely never reached Postgres ("" = none)
+--       6 the ids the failed pin took back, comma separated, if the attempt cannot land ("" = none),
+--       7 "1" if the attempt cannot land and its pin opened the epoch
 -- Returns: 1 if the reservation is held again, 0 if it was left for the sweeper to settle
-local base, rid, epoch, window_end, grace, retaken = ARGV[1], ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[5]), ARGV[6]
+local base, rid, epoch, window_end, grace = ARGV[1], ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[5])
+local retaken, restore = ARGV[6], ARGV[7] == '1' and ARGV[3] == '1'
 local rkey = base .. 'r:' .. rid
-local f = redis.call('HMGET', rkey, 's', 'e', 'ep', 'pw', 'i')
+local f = redis.call('HMGET', rkey, 's', 'e', 'ep', 'pw', 'i', 'sel')
 local now = now_ms()
 if f[1] ~= 'confirming' or f[3] ~= epoch or tonumber(f[4]) ~= tonumber(window_end) then return 0 end
 local expires = tonumber(f[2])
-if expires <= now then
-  if retaken ~= '' then
-    local back, wanted = {}, {}
-    for id in string.gmatch(retaken, '[^,]+') do wanted[id] = true end
-    for _, item in ipairs(decode_items(f[5])) do
-      local hkey = base .. 'h:' .. item.id
-      if wanted[item.id] and redis.call('GET', hkey) == rid then
-        redis.call('DEL', hkey)
-        -- (Unheld before the pin, it may have been allocated meanwhile: then it has no cache entry, and stays out.)
-        if redis.call('HEXISTS', item_key(base, item.id), item.id) == 1 then back[#back + 1] = item end
-      end
-    end
-    index_all(base, back)
-  end
-  return 0
+if not restore and expires > now then
+  redis.call('HSET', rkey, 's', 'held')
+  redis.call('ZADD', base .. 'exp', expires + grace, rid)
+  return 1
 end
+local back, wanted, chosen = {}, {}, {}
+for id in string.gmatch(retaken, '[^,]+') do wanted[id] = true end
+for id in string.gmatch(f[6] or '', '[^,]+') do chosen[id] = true end
+for _, item in ipairs(decode_items(f[5])) do
+  local hkey = base .. 'h:' .. item.id
+  if chosen[item.id] and redis.call('GET', hkey) == rid then
+    if wanted[item.id] then
+      redis.call('DEL', hkey)
+      -- (Unheld before the pin, it may have been allocated meanwhile: then it has no cache entry, and stays out.)
+      if redis.call('HEXISTS', item_key(base, item.id), item.id) == 1 then back[#back + 1] = item end
+    elseif restore then
+      -- Past its end already, Redis drops it now, and the sweep below frees the item.
+      redis.call('PEXPIREAT', hkey, expires + grace)
+    end
+  end
+end
+index_all(base, back)
+if not restore then return 0 end
 redis.call('HSET', rkey, 's', 'held')
+redis.call('HDEL', rkey, 'ep', 'sel', 'pw')
 redis.call('ZADD', base .. 'exp', expires + grace, rid)
 return 1
