@@ -26,17 +26,30 @@ describe('recovery: Redis wiped or down, Postgres down, an instance gone', () =>
   });
 
   /**
-   * An instance whose Postgres connections go through a proxy the test can cut or slow down. With `keys`, it has
-   * Redis keys of its own: the file's other instance, whose Postgres answers, must not sweep or settle its work.
+   * Runs `test` with an instance whose Postgres connections go through a proxy it can cut or slow down, and stops
+   * both after it. With `keys`, the instance has Redis keys of its own: the file's other instance, whose Postgres
+   * answers, must not sweep or settle its work.
    */
-  async function behindPostgresProxy(env: Record<string, string>, keys?: string): Promise<{ proxy: TcpProxy; viaProxy: TestInstance }> {
+  async function behindPostgresProxy(
+    env: Record<string, string>,
+    keys: string | undefined,
+    test: (services: { proxy: TcpProxy; viaProxy: TestInstance }) => Promise<void>,
+  ): Promise<void> {
     const proxy = await TcpProxy.start(5432);
-    const viaProxy = await world.start({
-      DATABASE_URL: `postgres://postgres@127.0.0.1:${proxy.port}/${world.dbName}`,
-      ...(keys && { REDIS_KEY_PREFIX: `${world.prefix}${keys}:` }),
-      ...env,
-    });
-    return { proxy, viaProxy };
+    try {
+      const viaProxy = await world.start({
+        DATABASE_URL: `postgres://postgres@127.0.0.1:${proxy.port}/${world.dbName}`,
+        ...(keys && { REDIS_KEY_PREFIX: `${world.prefix}${keys}:` }),
+        ...env,
+      });
+      try {
+        await test({ proxy, viaProxy });
+      } finally {
+        await viaProxy.close();
+      }
+    } finally {
+      await proxy.cut();
+    }
   }
 
   it('invariant 5: after FLUSHALL, every free item is reservable again within 5 s without a restart, and no allocated item ever is', async () => {
@@ -206,39 +219,37 @@ describe('recovery: Redis wiped or down, Postgres down, an instance gone', () =>
   });
 
   it('invariant 6: with Postgres unreachable, confirm answers 503 and allocates nothing; it succeeds once Postgres is back', async () => {
-    const { proxy, viaProxy } = await behindPostgresProxy({ DB_TIMEOUT_MS: '1000' });
-    await seedPool(viaProxy, 'pg-down', numbers(3));
-    const r = await viaProxy.post('/v1/pools/pg-down/reservations', { owner: 'payer', count: 2 });
-    const body = { resourceIds: [r.body.items[0].resourceId] };
-    await proxy.cut();
-    const started = Date.now();
-    const confirm = await viaProxy.post(`/v1/reservations/${r.body.id}/confirm`, body);
-    expect(confirm.status).toBe(503);
-    expect(confirm.body.error.code).toBe('DEPENDENCY_UNAVAILABLE');
-    expect(Date.now() - started).toBeLessThan(5000);
-    const created = await viaProxy.post('/v1/pools', { name: 'while-down', kind: 'number' });
-    expect(created.status).toBe(503);
-    const rows = await world.query(`SELECT count(*)::int AS n FROM t_resource WHERE state = 2 AND id = $1`, [body.resourceIds[0]]);
-    expect(rows[0].n).toBe(0);
-    // The failed confirm changed nothing: the reservation is still held, so the retry below can succeed.
-    expect((await viaProxy.get(`/v1/reservations/${r.body.id}`)).body.state).toBe('held');
-    // Expiry needs no Postgres: a short hold taken now comes back to the pool while Postgres is away.
-    const short = await viaProxy.post('/v1/pools/pg-down/reservations', { owner: 'brief', count: 1, ttlMs: 1000 });
-    expect(short.status).toBe(201);
-    await eventually(
-      async () => (await viaProxy.post('/v1/pools/pg-down/reservations', { owner: 'next', count: 1, ttlMs: 1000 })).status === 201,
-      3000,
-    );
-    await proxy.open();
-    const retry = await viaProxy.post(`/v1/reservations/${r.body.id}/confirm`, body);
-    expect(retry.status).toBe(200);
-    await viaProxy.close();
-    await proxy.cut();
+    await behindPostgresProxy({ DB_TIMEOUT_MS: '1000' }, undefined, async ({ proxy, viaProxy }) => {
+      await seedPool(viaProxy, 'pg-down', numbers(3));
+      const r = await viaProxy.post('/v1/pools/pg-down/reservations', { owner: 'payer', count: 2 });
+      const body = { resourceIds: [r.body.items[0].resourceId] };
+      await proxy.cut();
+      const started = Date.now();
+      const confirm = await viaProxy.post(`/v1/reservations/${r.body.id}/confirm`, body);
+      expect(confirm.status).toBe(503);
+      expect(confirm.body.error.code).toBe('DEPENDENCY_UNAVAILABLE');
+      expect(Date.now() - started).toBeLessThan(5000);
+      const created = await viaProxy.post('/v1/pools', { name: 'while-down', kind: 'number' });
+      expect(created.status).toBe(503);
+      const rows = await world.query(`SELECT count(*)::int AS n FROM t_resource WHERE state = 2 AND id = $1`, [body.resourceIds[0]]);
+      expect(rows[0].n).toBe(0);
+      // The failed confirm changed nothing: the reservation is still held, so the retry below can succeed.
+      expect((await viaProxy.get(`/v1/reservations/${r.body.id}`)).body.state).toBe('held');
+      // Expiry needs no Postgres: a short hold taken now comes back to the pool while Postgres is away.
+      const short = await viaProxy.post('/v1/pools/pg-down/reservations', { owner: 'brief', count: 1, ttlMs: 1000 });
+      expect(short.status).toBe(201);
+      await eventually(
+        async () => (await viaProxy.post('/v1/pools/pg-down/reservations', { owner: 'next', count: 1, ttlMs: 1000 })).status === 201,
+        3000,
+      );
+      await proxy.open();
+      const retry = await viaProxy.post(`/v1/reservations/${r.body.id}/confirm`, body);
+      expect(retry.status).toBe(200);
+    });
   });
 
   it('invariant 6: a confirm answered 503 while Postgres is unreachable changes nothing: not retried, all the items come back at expiry', async () => {
-    const { proxy, viaProxy } = await behindPostgresProxy({ DB_TIMEOUT_MS: '1000', RECONCILE_INTERVAL_MS: '0' }, 'unsent');
-    try {
+    await behindPostgresProxy({ DB_TIMEOUT_MS: '1000', RECONCILE_INTERVAL_MS: '0' }, 'unsent', async ({ proxy, viaProxy }) => {
       await seedPool(viaProxy, 'unsent', numbers(3));
       const r = await viaProxy.post('/v1/pools/unsent/reservations', { owner: 'payer', count: 3, ttlMs: 3000 });
       expect(r.status).toBe(201);
@@ -265,15 +276,11 @@ describe('recovery: Redis wiped or down, Postgres down, an instance gone', () =>
         `SELECT r.owner FROM t_resource r JOIN t_pool p ON p.id = r.pool_id WHERE p.name = 'unsent' AND r.state = 2`,
       );
       expect(allocated).toEqual([{ owner: 'next' }]);
-    } finally {
-      await proxy.cut();
-      await viaProxy.close();
-    }
+    });
   });
 
   it('invariant 6: after a confirm answered 503 with Postgres unreachable, a retry commits even if Postgres ended the epoch meanwhile', async () => {
-    const { proxy, viaProxy } = await behindPostgresProxy({ DB_TIMEOUT_MS: '1000', RECONCILE_INTERVAL_MS: '0' }, 'retried');
-    try {
+    await behindPostgresProxy({ DB_TIMEOUT_MS: '1000', RECONCILE_INTERVAL_MS: '0' }, 'retried', async ({ proxy, viaProxy }) => {
       await seedPool(viaProxy, 'retried', numbers(2));
       const r = await viaProxy.post('/v1/pools/retried/reservations', { owner: 'payer', count: 2, ttlMs: 60_000 });
       const body = { resourceIds: [r.body.items[1].resourceId] };
@@ -294,15 +301,11 @@ describe('recovery: Redis wiped or down, Postgres down, an instance gone', () =>
         { epoch: 1, decision: 'abort' },
         { epoch: 2, decision: 'commit' },
       ]);
-    } finally {
-      await proxy.cut();
-      await viaProxy.close();
-    }
+    });
   });
 
   it('invariant 6: a late confirm answered 503 while Postgres is unreachable leaves the items its expired hold had in the pool', async () => {
-    const { proxy, viaProxy } = await behindPostgresProxy({ DB_TIMEOUT_MS: '1000', RECONCILE_INTERVAL_MS: '0' }, 'late');
-    try {
+    await behindPostgresProxy({ DB_TIMEOUT_MS: '1000', RECONCILE_INTERVAL_MS: '0' }, 'late', async ({ proxy, viaProxy }) => {
       await seedPool(viaProxy, 'late-503', numbers(1));
       const r = await viaProxy.post('/v1/pools/late-503/reservations', { owner: 'buyer', count: 1, ttlMs: 1000 });
       expect(r.status).toBe(201);
@@ -326,52 +329,45 @@ describe('recovery: Redis wiped or down, Postgres down, an instance gone', () =>
       expect((await viaProxy.post(`/v1/reservations/${next.body.id}/confirm`, { resourceIds: [item] })).status).toBe(200);
       const rows = await world.query(`SELECT owner, state FROM t_resource WHERE id = $1`, [item]);
       expect(rows).toEqual([{ owner: 'next', state: 2 }]);
-    } finally {
-      await proxy.cut();
-      await viaProxy.close();
-    }
+    });
   });
 
   it('invariant 4: a commit left undecided by a Postgres outage is settled at the first upkeep after Postgres is back', async () => {
-    const { proxy, viaProxy } = await behindPostgresProxy(
+    await behindPostgresProxy(
       { DB_TIMEOUT_MS: '1000', COMMIT_WINDOW_MS: '12000', RECONCILE_INTERVAL_MS: '0' },
       'stalled',
+      async ({ proxy, viaProxy }) => {
+        await seedPool(viaProxy, 'stalled', numbers(1));
+        const r = await viaProxy.post('/v1/pools/stalled/reservations', { owner: 'buyer', count: 1, ttlMs: 1000 });
+        const item = r.body.items[0].resourceId as string;
+        await eventually(async () => (await viaProxy.get(`/v1/pools/stalled/resources/${item}`)).body.state === 'free', 5000);
+        // Postgres hangs: the late confirm's commit times out, and may have landed, so its item stays pinned until
+        // Postgres has said whether it did.
+        proxy.latencyMs = 60_000;
+        const pinnedAt = Date.now();
+        const confirm = await viaProxy.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [item] });
+        expect(confirm.status).toBe(503);
+        // The commit window ends while Postgres still hangs: the sweeper's attempt to settle it then fails (every
+        // Postgres call of its upkeep waits for DB_TIMEOUT_MS, so that attempt may come a few seconds late).
+        await sleep(pinnedAt + 17_000 - Date.now());
+        expect((await viaProxy.post('/v1/pools/stalled/reservations', { owner: 'next', count: 1 })).status).toBe(409);
+        await proxy.cut();
+        proxy.latencyMs = 0;
+        await proxy.open();
+        // Settled at the next upkeep, not a whole commit window (12 s) after the failed attempt, when the sweep would
+        // report it again.
+        await eventually(
+          async () => (await viaProxy.post('/v1/pools/stalled/reservations', { owner: 'next', count: 1 })).status === 201,
+          5000,
+        );
+        const rows = await world.query(`SELECT state FROM t_resource WHERE id = $1`, [item]);
+        expect(rows).toEqual([{ state: 1 }]);
+      },
     );
-    try {
-      await seedPool(viaProxy, 'stalled', numbers(1));
-      const r = await viaProxy.post('/v1/pools/stalled/reservations', { owner: 'buyer', count: 1, ttlMs: 1000 });
-      const item = r.body.items[0].resourceId as string;
-      await eventually(async () => (await viaProxy.get(`/v1/pools/stalled/resources/${item}`)).body.state === 'free', 5000);
-      // Postgres hangs: the late confirm's commit times out, and may have landed, so its item stays pinned until
-      // Postgres has said whether it did.
-      proxy.latencyMs = 60_000;
-      const pinnedAt = Date.now();
-      const confirm = await viaProxy.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [item] });
-      expect(confirm.status).toBe(503);
-      // The commit window ends while Postgres still hangs: the sweeper's attempt to settle it then fails (every
-      // Postgres call of its upkeep waits for DB_TIMEOUT_MS, so that attempt may come a few seconds late).
-      await sleep(pinnedAt + 17_000 - Date.now());
-      expect((await viaProxy.post('/v1/pools/stalled/reservations', { owner: 'next', count: 1 })).status).toBe(409);
-      await proxy.cut();
-      proxy.latencyMs = 0;
-      await proxy.open();
-      // Settled at the next upkeep, not a whole commit window (12 s) after the failed attempt, when the sweep would
-      // report it again.
-      await eventually(
-        async () => (await viaProxy.post('/v1/pools/stalled/reservations', { owner: 'next', count: 1 })).status === 201,
-        5000,
-      );
-      const rows = await world.query(`SELECT state FROM t_resource WHERE id = $1`, [item]);
-      expect(rows).toEqual([{ state: 1 }]);
-    } finally {
-      await proxy.cut();
-      await viaProxy.close();
-    }
   }, 40_000);
 
   it('invariant 4: while Postgres hangs (answers nothing), expired holds still come back within 2 s', async () => {
-    const { proxy, viaProxy } = await behindPostgresProxy({ SWEEP_INTERVAL_MS: '250', RECONCILE_INTERVAL_MS: '0' }, 'hung');
-    try {
+    await behindPostgresProxy({ SWEEP_INTERVAL_MS: '250', RECONCILE_INTERVAL_MS: '0' }, 'hung', async ({ proxy, viaProxy }) => {
       await seedPool(viaProxy, 'pg-hung', numbers(1));
       // Every Postgres call of the instance now waits for its timeout (DB_TIMEOUT_MS, 5 s): the pool list's
       // refresh every 2 s, and any commit to settle. The sweep must not wait for them.
@@ -389,10 +385,7 @@ describe('recovery: Redis wiped or down, Postgres down, an instance gone', () =>
         expect((await viaProxy.del(`/v1/reservations/${again.body.id}`)).status).toBe(200);
       }
       expect(latest).toBeLessThan(2000);
-    } finally {
-      await proxy.cut();
-      await viaProxy.close();
-    }
+    });
   });
 
   it('invariant 4: holds of an instance that is gone come back to the pool after their expiry', async () => {
