@@ -313,13 +313,15 @@ function sameSelection(outcome: CommitOutcome, selection: string[]): CommitOutco
 
 /**
  * False when a failed commit surely never reached Postgres: it waited too long for a batch, or no connection
- * could be made. Otherwise (a timeout, a connection lost mid-way) it may have landed.
+ * could be made (errors only a connection attempt gives: refused, no such host). Otherwise (a timeout, a
+ * connection lost mid-way, a host unreachable, which an open connection may report after its query went out) it
+ * may have landed. A commit that surely did not is undone in Redis as if it never came (unpin.lua).
  */
 function mayHaveReachedPostgres(err: unknown): boolean {
   const cause = (err as { cause?: unknown } | null)?.cause ?? err;
   if (cause instanceof BatchWaitTimeout) return false;
   const code = (cause as { code?: unknown } | null)?.code;
-  if (code === 'ECONNREFUSED' || code === 'ENOTFOUND' || code === 'EAI_AGAIN' || code === 'EHOSTUNREACH') return false;
+  if (code === 'ECONNREFUSED' || code === 'ENOTFOUND' || code === 'EAI_AGAIN') return false;
   return !/timeout exceeded when trying to connect/.test(String((cause as { message?: unknown } | null)?.message));
 }
 

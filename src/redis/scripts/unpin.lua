@@ -1,7 +1,8 @@
 -- unpin: a commit attempt failed before reaching Postgres' decision (Postgres unreachable, a timeout):
 -- the reservation is held again until its own expiry, as if the confirm had never come, so the caller
 -- can retry. Only for the epoch that failed, and not when another confirm has joined it since (the window end,
--- 'pw', is no longer the failed pin's: every pin moves it): that one is still committing.
+-- 'pw', is no longer the failed pin's: every pin moves it forward, on Redis' clock, which is taken not to go
+-- back): that one is still committing.
 -- When the attempt may have landed, the holds of the items it chose stay pinned: they end only when the sweeper
 -- has asked Postgres (at expiry, the reservation having an epoch), and past its expiry the reservation is left to
 -- the sweeper. When it cannot land (it surely never reached Postgres, or Postgres has ended its epoch: ARGV 6
