@@ -184,10 +184,16 @@ export class CommitService {
     throw err;
   }
 
-  /** The reservation's commit as Postgres recorded it, or null. */
+  /**
+   * The reservation's commit as Postgres recorded it, or null. Its allocated items are rebuilt field by field:
+   * jsonb keeps an object's keys in an order of its own, and an answer from this commit (a repeated confirm, the
+   * record finish writes back to Redis) must have the same bytes as the first.
+   */
   async landedCommit(reservationId: string): Promise<CommitOutcome | null> {
     const row = await this.commits.find(reservationId);
-    return row ? (row.body as unknown as CommitOutcome) : null;
+    if (!row) return null;
+    const outcome = row.body as unknown as CommitOutcome;
+    return { ...outcome, allocated: outcome.allocated.map(({ resourceId, value, version }) => ({ resourceId, value, version })) };
   }
 
   /**

@@ -19,14 +19,6 @@ function toItemDto(i: CachedItem): ReservationItemDto {
   return { resourceId: i.id, value: i.v, version: i.n, attributes: i.a ?? {} };
 }
 
-/**
- * A commit's allocated items, field by field: an outcome read back from Postgres' jsonb has its keys in another
- * order, and a repeated call answers with the same bytes as the first.
- */
-function allocatedItems(outcome: CommitOutcome): CommitOutcome['allocated'] {
-  return outcome.allocated.map(({ resourceId, value, version }) => ({ resourceId, value, version }));
-}
-
 export function toReservationDto(pool: string, r: StoredReservation): ReservationDto {
   const dto: ReservationDto = {
     id: r.id,
@@ -38,7 +30,7 @@ export function toReservationDto(pool: string, r: StoredReservation): Reservatio
   };
   if (r.state === 'confirmed' && r.outcome) {
     const outcome = r.outcome as unknown as CommitOutcome;
-    dto.allocated = allocatedItems(outcome);
+    dto.allocated = outcome.allocated;
     dto.released = outcome.released;
   }
   return dto;
@@ -53,11 +45,11 @@ export function committedReservationDto(pool: string, id: string, outcome: Commi
     state: 'confirmed',
     items: outcome.items.map(toItemDto),
     expiresAt: new Date(outcome.expiresMs).toISOString(),
-    allocated: allocatedItems(outcome),
+    allocated: outcome.allocated,
     released: outcome.released,
   };
 }
 
 export function toConfirmResult(id: string, outcome: CommitOutcome): ConfirmResultDto {
-  return { id, state: 'confirmed', allocated: allocatedItems(outcome), released: outcome.released };
+  return { id, state: 'confirmed', allocated: outcome.allocated, released: outcome.released };
 }
