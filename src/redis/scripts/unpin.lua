@@ -24,10 +24,13 @@ local f = redis.call('HMGET', rkey, 's', 'e', 'ep', 'pw', 'i', 'sel')
 local now = now_ms()
 if f[1] ~= 'confirming' or f[3] ~= epoch or tonumber(f[4]) ~= tonumber(window_end) then return 0 end
 local expires = tonumber(f[2])
-if not restore and expires > now then
-  redis.call('HSET', rkey, 's', 'held')
-  redis.call('ZADD', base .. 'exp', expires + grace, rid)
-  return 1
+if not restore then
+  if expires > now then
+    redis.call('HSET', rkey, 's', 'held')
+    redis.call('ZADD', base .. 'exp', expires + grace, rid)
+    return 1
+  end
+  if retaken == '' then return 0 end
 end
 local back, wanted, chosen = {}, {}, {}
 for id in string.gmatch(retaken, '[^,]+') do wanted[id] = true end
