@@ -8,7 +8,10 @@
  * With `--perf`, Linux perf samples the CPU time of every process of the machine instead (bench/perf-sampler.ts):
  * per operation, by process, and the service's by what ran and by package.
  *
- *   npm run bench:profile -- reserve|confirm|cycle|tasks [seconds] [--heap | --perf]
+ *   npm run bench:profile -- reserve|confirm|cycle|tasks|import [seconds] [--heap | --perf]
+ *
+ * `import` sends chunks of 10,000 new numbers one request at a time, as the bench's import of 1,000,000 does;
+ * the others run at 100 connections.
  *
  * The .cpuprofile, .heapprofile or perf.data is left in /tmp/respool-profile-* (Chrome DevTools opens the first
  * two; `perf report -i` the last).
@@ -31,6 +34,7 @@ const seconds = Number(secondsArg);
 if (heap && perf) throw new Error('--heap or --perf, not both');
 if (perf) assertPerf();
 const DB = 'respool_profile';
+const IMPORT_CHUNK = 10_000;
 const PREFIX = `profile${Date.now()}:`;
 
 interface ProfileNode {
@@ -207,6 +211,7 @@ async function main(): Promise<void> {
     const items = Array.from({ length: 10_000 }, (_, j) => ({ value: `p-${String(i + j).padStart(8, '0')}` }));
     await call('POST', '/v1/pools/p/resources', { items });
   }
+  let imported = 0;
   const ops: Record<string, () => Promise<string>> = {
     reserve: async () => String((await call('POST', '/v1/pools/p/reservations', { owner: 'o', count: 3, ttlMs: 1000 })).status),
     confirm: async () => {
@@ -218,6 +223,12 @@ async function main(): Promise<void> {
       const r = await call('POST', '/v1/pools/p/reservations', { owner: 'o', count: 3, ttlMs: 60_000 });
       if (r.status !== 201) return `reserve ${r.status}`;
       return String((await call('POST', `/v1/reservations/${r.body.id}/confirm`, { resourceIds: [r.body.items[0].resourceId] })).status);
+    },
+    import: async () => {
+      const first = imported;
+      imported += IMPORT_CHUNK;
+      const items = Array.from({ length: IMPORT_CHUNK }, (_, j) => ({ value: `i-${String(first + j).padStart(9, '0')}` }));
+      return String((await call('POST', '/v1/pools/p/resources', { items })).status);
     },
     tasks: async () => {
       const lease = await call('POST', '/v1/pools/p/tasks/next', { reviewer: 'r' });
@@ -240,7 +251,7 @@ async function main(): Promise<void> {
   // length, set after the load's own, fires right after it). With --heap, SIGUSR2 starts and stops the
   // heap sampler at the same two moments; with --perf, perf records between them.
   const redis = new Redis('redis://127.0.0.1:6379');
-  const load = runLoad(100, seconds * 1000, ops[scenario]);
+  const load = runLoad(scenario === 'import' ? 1 : 100, seconds * 1000, ops[scenario]);
   let recording: PerfRecording | undefined;
   const before = new Promise<Snapshot>((resolve) =>
     setTimeout(() => {

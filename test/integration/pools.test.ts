@@ -219,10 +219,24 @@ describe('pools and resources', () => {
       items: [{ value: '13800138000', attributes: { city: 'sh' } }, { value: '13800138002' }],
     });
     expect(second.body).toEqual({ inserted: 1, duplicates: 1 });
+    // A value already there between new ones, in the order the rows are written: the new ones before and after it
+    // are inserted once.
+    const third = await api.post('/v1/pools/import/resources', {
+      items: [{ value: '13800138003' }, { value: '13800138001', groupKey: 'g2' }, { value: '13800137999' }],
+    });
+    expect(third.body).toEqual({ inserted: 2, duplicates: 1 });
     const [row] = await world.query(`SELECT attributes FROM t_resource WHERE value = '13800138000'`);
     expect(row.attributes).toEqual({ city: 'bj' });
-    expect((await api.get('/v1/pools/import')).body.stats).toEqual({ total: 3, free: 3, held: 0, allocated: 0 });
-    const r = await api.post('/v1/pools/import/reservations', { owner: 'u', count: 3 });
+    const rows = `SELECT value, group_key FROM t_resource r JOIN t_pool p ON p.id = r.pool_id WHERE p.name = 'import' ORDER BY value`;
+    expect(await world.query(rows)).toEqual([
+      { value: '13800137999', group_key: null },
+      { value: '13800138000', group_key: 'g1' },
+      { value: '13800138001', group_key: null },
+      { value: '13800138002', group_key: null },
+      { value: '13800138003', group_key: null },
+    ]);
+    expect((await api.get('/v1/pools/import')).body.stats).toEqual({ total: 5, free: 5, held: 0, allocated: 0 });
+    const r = await api.post('/v1/pools/import/reservations', { owner: 'u', count: 5 });
     expect(r.status).toBe(201);
     // Reservable with what the first import gave it, not the second.
     expect(r.body.items.find((i: { value: string }) => i.value === '13800138000')).toMatchObject({
