@@ -65,7 +65,7 @@ const dtos = new Map<DtoClass, CompiledDto | undefined>();
 export function compileDto(cls: DtoClass): CompiledDto | undefined {
   if (!dtos.has(cls)) {
     const rule = ruleOf(cls);
-    dtos.set(cls, rule ? { build: (plain, skipped) => build(cls, rule, plain, skipped, ''), passes } : undefined);
+    dtos.set(cls, rule ? { build: (plain, skipped) => buildChecked(cls, rule, plain, skipped), passes } : undefined);
   }
   return dtos.get(cls);
 }
@@ -172,9 +172,10 @@ function constraintCheck(metadata: ValidationMetadata): Check | undefined {
   if (constraints.some((c) => c.async)) return undefined; // validateSync skips these; nothing to mirror
   const validators = constraints.map((c) => c.instance as { validate(value: unknown, args: ValidationArguments): unknown });
   const { each, validateIf, propertyName, constraints: values } = metadata;
-  return (object, value) => {
-    if (validateIf && !validateIf(object, value)) return true;
-    const args: ValidationArguments = { targetName: object.constructor?.name, property: propertyName, object, value, constraints: values };
+  // One arguments object for every call, filled in for each: an import checks tens of thousands of values, and
+  // the checks are synchronous (nothing keeps it past its call); emptied after, so it holds on to no request.
+  const args: ValidationArguments = { targetName: '', property: propertyName, object: {}, value: undefined, constraints: values };
+  const checkAll = (object: Record<string, unknown>, value: unknown): boolean => {
     for (const validator of validators) {
       if (!each || !(Array.isArray(value) || value instanceof Set || value instanceof Map)) {
         const valid = validator.validate(value, args);
@@ -186,6 +187,18 @@ function constraintCheck(metadata: ValidationMetadata): Check | undefined {
     }
     return true;
   };
+  return (object, value) => {
+    if (validateIf && !validateIf(object, value)) return true;
+    args.targetName = object.constructor?.name;
+    args.object = object;
+    args.value = value;
+    try {
+      return checkAll(object, value);
+    } finally {
+      args.object = {};
+      args.value = undefined;
+    }
+  };
 }
 
 function isPromise(value: unknown): boolean {
@@ -196,7 +209,7 @@ function isPromise(value: unknown): boolean {
 function passes(object: object): boolean {
   const rule = compiled.get(object.constructor);
   if (!rule) return false; // forbidUnknownValues: an object of a class without metadata
-  for (const key of Object.keys(object)) if (!rule.known.has(key)) return false;
+  for (const key in object) if (Object.hasOwn(object, key) && !rule.known.has(key)) return false;
   const record = object as Record<string, unknown>;
   for (const property of rule.properties) {
     const value = record[property.name];
@@ -223,16 +236,35 @@ function nestedPasses(value: unknown): boolean {
   return value instanceof Object && passes(value);
 }
 
+/** Thrown by a build that keeps no paths when it meets a key to skip. */
+const SKIPS = Symbol('skips');
+
+/**
+ * build, first without the field paths (an import has tens of thousands of them), and again with them only
+ * when a key is skipped, which a valid request never has.
+ */
+function buildChecked(cls: DtoClass, rule: ClassRule, plain: object, skipped: string[] | undefined): object {
+  try {
+    return build(cls, rule, plain, undefined, null);
+  } catch (err) {
+    if (err !== SKIPS) throw err;
+    return build(cls, rule, plain, skipped, '');
+  }
+}
+
 /**
  * plainToInstance for a JSON value whose class has a rule. A key naming a function of the instance
  * (toString, hasOwnProperty...) is skipped, as class-transformer skips it, so validation never sees it:
- * its field goes to `skipped`, for the caller to refuse like any unknown field.
+ * its field goes to `skipped`, for the caller to refuse like any unknown field. With `path` null, no
+ * field is written down: a key to skip throws SKIPS.
  */
-function build(cls: DtoClass, rule: ClassRule, plain: object, skipped: string[] | undefined, path: string): object {
+function build(cls: DtoClass, rule: ClassRule, plain: object, skipped: string[] | undefined, path: string | null): object {
   const instance = new cls() as Record<string, unknown>;
-  for (const key of Object.keys(plain)) {
-    const field = path ? `${path}.${key}` : key;
+  for (const key in plain) {
+    if (!Object.hasOwn(plain, key)) continue;
+    const field = path === null ? null : path ? `${path}.${key}` : key;
     if (key === '__proto__' || key === 'constructor' || instance[key] instanceof Function) {
+      if (field === null) throw SKIPS;
       skipped?.push(field);
       continue;
     }
@@ -243,8 +275,8 @@ function build(cls: DtoClass, rule: ClassRule, plain: object, skipped: string[] 
   return instance;
 }
 
-function buildTyped(type: DtoClass, value: unknown, skipped: string[] | undefined, path: string): unknown {
-  if (Array.isArray(value)) return value.map((element, i) => buildTyped(type, element, skipped, `${path}.${i}`));
+function buildTyped(type: DtoClass, value: unknown, skipped: string[] | undefined, path: string | null): unknown {
+  if (Array.isArray(value)) return value.map((element, i) => buildTyped(type, element, skipped, path === null ? null : `${path}.${i}`));
   if (value === null || typeof value !== 'object') return value;
   return build(type, compiled.get(type)!, value, skipped, path);
 }
@@ -258,8 +290,8 @@ function copy(value: unknown): unknown {
   if (Array.isArray(value)) return value.map(copy);
   if (value === null || typeof value !== 'object') return value;
   const out: Record<string, unknown> = {};
-  for (const key of Object.keys(value)) {
-    if (key === '__proto__') continue; // Fastify refuses it before this; it would set the prototype
+  for (const key in value) {
+    if (!Object.hasOwn(value, key) || key === '__proto__') continue; // Fastify refuses it before this; it would set the prototype
     out[key] = copy((value as Record<string, unknown>)[key]);
   }
   return out;

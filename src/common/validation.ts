@@ -30,6 +30,8 @@ function unstorable(text: string): string | null {
 
 /** The strings of a request, keys included, that cannot be stored as sent (see unstorable). Fields as `a.b.0.c`. */
 export function malformedStrings(value: unknown, field = '', out: FieldError[] = []): FieldError[] {
+  // Nearly every request has none: a walk that builds no field paths says so first.
+  if (field === '' && allStorable(value)) return out;
   if (typeof value === 'string') {
     const reason = unstorable(value);
     if (reason) out.push({ field, reason });
@@ -44,6 +46,21 @@ export function malformedStrings(value: unknown, field = '', out: FieldError[] =
   return out;
 }
 
+/** True when every string of a JSON value, keys included, can be stored as sent. */
+function allStorable(value: unknown): boolean {
+  if (typeof value === 'string') return unstorable(value) === null;
+  if (value === null || typeof value !== 'object') return true;
+  if (Array.isArray(value)) {
+    for (let i = 0; i < value.length; i++) if (!allStorable(value[i])) return false;
+    return true;
+  }
+  for (const key in value) {
+    if (!Object.hasOwn(value, key)) continue;
+    if (unstorable(key) !== null || !allStorable((value as Record<string, unknown>)[key])) return false;
+  }
+  return true;
+}
+
 /** How deep a body may nest objects and arrays: no DTO needs more than 4 levels; the walks over a body recurse. */
 export const MAX_BODY_DEPTH = 32;
 
@@ -51,16 +68,21 @@ export const MAX_BODY_DEPTH = 32;
 export function nestedDeeperThan(value: unknown, limit: number): boolean {
   const values: unknown[] = [value];
   const depths: number[] = [1];
+  const push = (inner: unknown, depth: number) => {
+    if (inner !== null && typeof inner === 'object') {
+      values.push(inner);
+      depths.push(depth);
+    }
+  };
   while (values.length > 0) {
     const next = values.pop();
     const depth = depths.pop()!;
     if (next === null || typeof next !== 'object') continue;
     if (depth > limit) return true;
-    for (const inner of Array.isArray(next) ? next : Object.values(next)) {
-      if (inner !== null && typeof inner === 'object') {
-        values.push(inner);
-        depths.push(depth + 1);
-      }
+    if (Array.isArray(next)) {
+      for (let i = 0; i < next.length; i++) push(next[i], depth + 1);
+    } else {
+      for (const key in next) if (Object.hasOwn(next, key)) push((next as Record<string, unknown>)[key], depth + 1);
     }
   }
   return false;

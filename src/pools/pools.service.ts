@@ -108,10 +108,13 @@ export class PoolsService {
     }
     const rows = await this.whenLost(
       pool.name,
-      [...byValue.keys()].map((value) => `value:${value}`),
+      () => [...byValue.keys()].map((value) => `value:${value}`),
       () => this.resources.insertMany(pool.id, [...byValue.values()]),
     );
-    const items = rows.map(({ id, value }) => toCachedItem({ id, version: 0, ...byValue.get(value)! }));
+    const items = rows.map(({ id, value }) => {
+      const { attributes, groupKey } = byValue.get(value)!;
+      return toCachedItem({ id, value, version: 0, attributes, groupKey });
+    });
     if (rows.length < byValue.size) {
       // Values already in the pool: an earlier import of them may have committed without reaching Redis (its
       // Redis step failed, or its answer was lost and this is the caller's retry). Those still free are
@@ -142,7 +145,11 @@ export class PoolsService {
   async releaseResource(name: string, id: string, owner: string): Promise<ResourceDto> {
     const pool = await this.catalog.get(name);
     const read = await this.beforeRead();
-    const row = await this.whenLost(pool.name, [`id:${id}`], () => this.resources.release(pool.id, id, owner));
+    const row = await this.whenLost(
+      pool.name,
+      () => [`id:${id}`],
+      () => this.resources.release(pool.id, id, owner),
+    );
     if (!row) {
       const existing = await this.resources.findById(pool.id, id);
       if (!existing) throw resourceNotFound(pool.name, id);
@@ -199,11 +206,11 @@ export class PoolsService {
    * reached: it may have committed all the same (its answer lost with the connection), and nobody would index
    * the items it freed. They are remembered, to be indexed if Postgres says they are free (reindexPending).
    */
-  private async whenLost<T>(pool: string, keys: string[], write: () => Promise<T>): Promise<T> {
+  private async whenLost<T>(pool: string, keys: () => string[], write: () => Promise<T>): Promise<T> {
     try {
       return await write();
     } catch (err) {
-      if (err instanceof DomainError && err.code === ErrorCode.DEPENDENCY_UNAVAILABLE) this.rememberUnindexed(pool, keys);
+      if (err instanceof DomainError && err.code === ErrorCode.DEPENDENCY_UNAVAILABLE) this.rememberUnindexed(pool, keys());
       throw err;
     }
   }

@@ -249,6 +249,14 @@ describe('compiled DTOs', () => {
     expect(Object.keys(built.filter!)).not.toContain('valueOf');
     expect(built.filter!.attributes).toEqual({ toString: 't', city: 'bj' }); // class-transformer dropped "toString"
     expect(dto.passes(built)).toBe(true);
+    // The fields of the skipped keys, for the pipe to refuse, nested in arrays too.
+    const skipped: string[] = [];
+    dto.build(plain, skipped);
+    expect(skipped).toEqual(['toString', 'filter.valueOf']);
+    const items: object[] = [{ value: '1' }, { value: '2', hasOwnProperty: 'h' }];
+    const imported: string[] = [];
+    expect(compileDto(poolDtos.ImportResourcesDto)!.build({ items }, imported)).toEqual({ items: [{ value: '1' }, { value: '2' }] });
+    expect(imported).toEqual(['items.1.hasOwnProperty']);
   });
 
   it('answers a refused value with the messages class-validator writes', () => {
