@@ -166,6 +166,9 @@ function isPlainClass(cls: unknown): boolean {
   );
 }
 
+/** What a check's shared arguments name as the object between calls. */
+const NO_OBJECT: object = Object.freeze({});
+
 /** One `customValidation` (or `isDefined`) metadata as ValidationExecutor.customValidations runs it in validateSync. */
 function constraintCheck(metadata: ValidationMetadata): Check | undefined {
   const constraints = getMetadataStorage().getTargetValidatorConstraints(metadata.constraintCls);
@@ -174,7 +177,7 @@ function constraintCheck(metadata: ValidationMetadata): Check | undefined {
   const { each, validateIf, propertyName, constraints: values } = metadata;
   // One arguments object for every call, filled in for each: an import checks tens of thousands of values, and
   // the checks are synchronous (nothing keeps it past its call); emptied after, so it holds on to no request.
-  const args: ValidationArguments = { targetName: '', property: propertyName, object: {}, value: undefined, constraints: values };
+  const args: ValidationArguments = { targetName: '', property: propertyName, object: NO_OBJECT, value: undefined, constraints: values };
   const checkAll = (object: Record<string, unknown>, value: unknown): boolean => {
     for (const validator of validators) {
       if (!each || !(Array.isArray(value) || value instanceof Set || value instanceof Map)) {
@@ -195,7 +198,7 @@ function constraintCheck(metadata: ValidationMetadata): Check | undefined {
     try {
       return checkAll(object, value);
     } finally {
-      args.object = {};
+      args.object = NO_OBJECT;
       args.value = undefined;
     }
   };

@@ -83,8 +83,10 @@ export class ResourceRepository {
         params,
       );
     // New values, the usual case, first with a plain INSERT: ON CONFLICT's speculative insertion costs Postgres
-    // about a fifth more a row. A value already in the pool (a retried import) makes it fail whole, having
-    // written nothing, and the rows go in again skipping the values already there.
+    // about a fifth more a row. A value already in the pool (a retried import) makes it fail whole, and the rows
+    // go in again skipping the values already there. The failed statement commits nothing, but it leaves dead
+    // tuples and used ids for the rows it wrote before the conflict (the values are sorted: a retried chunk fails
+    // on its first row).
     const run = (skipExisting: boolean): Promise<{ id: string; value: string }[]> =>
       insert(skipExisting).catch((err: unknown) => {
         if (sqlStateOf(err) === '23505' && !skipExisting) return run(true);
