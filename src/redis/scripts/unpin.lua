@@ -1,8 +1,10 @@
 -- unpin: a commit attempt failed before reaching Postgres' decision (Postgres unreachable, a timeout):
 -- the reservation is held again until its own expiry, as if the confirm had never come, so the caller
 -- can retry. Only for the epoch that failed, and not when another confirm has joined it since (the window end,
--- 'pw', is no longer the failed pin's: every pin moves it forward, on Redis' clock, which is taken not to go
--- back): that one is still committing.
+-- 'pw', is no longer the failed pin's: every pin of a confirming reservation moves it forward, by 1 ms at least
+-- even if Redis' clock went back): that one is still committing. Neither check needs the clock to go forward:
+-- epochs only grow, except when an unpin below gives epoch 1 up, and only the unpin of an epoch's last pin does
+-- that, of one that opened it, so no other pin of that epoch is left whose unpin could come after.
 -- When the attempt may have landed, the holds of the items it chose stay pinned: they end only when the sweeper
 -- has asked Postgres (at expiry, the reservation having an epoch), and past its expiry the reservation is left to
 -- the sweeper. When it cannot land (it surely never reached Postgres, or Postgres has ended its epoch: ARGV 6
