@@ -6,7 +6,7 @@ import { isRedisOutage } from '../common/dependency-errors.js';
 import { DomainError, ErrorCode } from '../common/errors.js';
 import { Later } from '../common/later.js';
 import { loadScript } from './lua-prelude.js';
-import { freeMember, legacyAttributeSets, markerKey, poolKeys, rebuildRunKey } from './keys.js';
+import { freeMember, legacyAttributeSets, markerKey, poolBase, poolKeys, rebuildRunKey } from './keys.js';
 import { REDIS, REDIS_TIMEOUT_MESSAGE, evictionPolicyOf, evictionRefusal, redisNowMs, withTimeout } from './redis.client.js';
 
 /**
@@ -207,10 +207,11 @@ export class HoldStore implements OnApplicationShutdown {
   }
 
   private async script<T>(name: ScriptName, pool: string, args: (string | number)[], retryOnTimeout: boolean): Promise<T> {
-    const keys = poolKeys(this.prefix, pool);
+    const base = poolBase(this.prefix, pool);
     const call = (this.redis as unknown as Record<string, ScriptCall>)[`rp_${name}`];
-    // KEYS[1] names the pool's slot (for Redis Cluster routing); the scripts build their keys from the base.
-    const once = () => withTimeout(call.call(this.redis, keys.free, keys.base, ...args) as Promise<T>, this.config.REDIS_TIMEOUT_MS);
+    // KEYS[1] (the free index) names the pool's slot (for Redis Cluster routing); the scripts build their keys from
+    // the base.
+    const once = () => withTimeout(call.call(this.redis, `${base}free`, base, ...args) as Promise<T>, this.config.REDIS_TIMEOUT_MS);
     try {
       return await once().catch((err: unknown) => {
         if (retryOnTimeout && err instanceof Error && err.message === REDIS_TIMEOUT_MESSAGE) return once();
