@@ -78,13 +78,21 @@ export type ReserveResult =
   | { status: 'quota'; held: number }
   | { status: 'reused' };
 
+/**
+ * A pin that took: `retaken`, the selected items whose hold had run out, which the pin took back; `opened`, the pin
+ * started the epoch rather than joining one; `pinNumber`, its number among the reservation's pins (all for unpin).
+ */
+export interface Pinned {
+  status: 'pinned';
+  reservation: StoredReservation;
+  retaken: string[];
+  opened: boolean;
+  pinNumber: number;
+}
+
 export type PinResult =
   | { status: 'confirmed'; reservation: StoredReservation }
-  /**
-   * `retaken`: the selected items whose hold had run out, which the pin took back; `opened`: the pin started the
-   * epoch, rather than joining one (both for unpin).
-   */
-  | { status: 'pinned'; reservation: StoredReservation; retaken: string[]; opened: boolean }
+  | Pinned
   | { status: 'missing' | 'closed' }
   | { status: 'notin' | 'lost'; resourceId: string };
 
@@ -300,6 +308,7 @@ export class HoldStore implements OnApplicationShutdown {
           reservation: parseReservation(reply),
           retaken: reply[13] ? reply[13].split(',') : [],
           opened: reply[14] === '1',
+          pinNumber: Number(reply[15]),
         };
       case 'confirmed':
         return { status: 'confirmed', reservation: parseReservation(reply) };
@@ -330,18 +339,15 @@ export class HoldStore implements OnApplicationShutdown {
   }
 
   /**
-   * A commit attempt failed before Postgres decided it: held again until its expiry. `pinned` is the
-   * reservation as the failed pin returned it (its epoch and window end). False if left to the sweeper.
-   * `cannotLand`: given when the attempt surely never reached Postgres, or Postgres has ended its epoch, with what
-   * its pin told (PinResult): Redis is then put back as it was before the pin as far as it can be (unpin.lua).
+   * A commit attempt failed before Postgres decided it: held again until its expiry, unless another pin came
+   * since. `pinned`: what the failed pin returned. False if left to the sweeper. `cannotLand`: the attempt surely
+   * never reached Postgres, or Postgres has ended its epoch: Redis is then put back as it was before the pin, as
+   * far as it can be (unpin.lua).
    */
-  async unpin(
-    pool: string,
-    pinned: Pick<StoredReservation, 'id' | 'epoch' | 'pinnedUntilMs'>,
-    cannotLand?: { retaken: string[]; opened: boolean },
-  ): Promise<boolean> {
-    const undo = cannotLand ? [cannotLand.retaken.join(','), cannotLand.opened ? '1' : '0'] : ['', '0'];
-    return (await this.run<number>('unpin', pool, pinned.id, pinned.epoch, pinned.pinnedUntilMs, this.config.HOLD_GRACE_MS, ...undo)) === 1;
+  async unpin(pool: string, pinned: Omit<Pinned, 'status'>, cannotLand = false): Promise<boolean> {
+    const { reservation: r, pinNumber, retaken, opened } = pinned;
+    const undo = cannotLand ? [retaken.join(','), opened ? '1' : '0'] : ['', '0'];
+    return (await this.run<number>('unpin', pool, r.id, r.epoch, r.pinnedUntilMs, this.config.HOLD_GRACE_MS, ...undo, pinNumber)) === 1;
   }
 
   /** `abortedEpoch`: the reservation's commit epoch, which Postgres has recorded as given up. */

@@ -5,7 +5,15 @@ import { PoolEntity, RESOURCE_ALLOCATED } from '../database/entities.js';
 import { CommitRepository } from '../database/commit.repository.js';
 import { ResourceRepository } from '../database/resource.repository.js';
 import { GenerationRepository } from '../database/generation.repository.js';
-import { AllocatedItem, CachedItem, HoldStore, StoredReservation, compareIds, toCachedItem } from '../redis/hold-store.repository.js';
+import {
+  AllocatedItem,
+  CachedItem,
+  HoldStore,
+  Pinned,
+  StoredReservation,
+  compareIds,
+  toCachedItem,
+} from '../redis/hold-store.repository.js';
 import { MetricsService } from '../metrics/metrics.service.js';
 import { BatchWaitTimeout } from '../database/batcher.js';
 import { Later } from '../common/later.js';
@@ -78,18 +86,13 @@ export class CommitService {
       case 'confirmed':
         return sameSelection(pin.reservation.outcome as unknown as CommitOutcome, selection);
       case 'pinned':
-        return this.allocate(pool, pin.reservation, selection, decidedEpoch !== undefined, pin);
+        return this.allocate(pool, selection, decidedEpoch !== undefined, pin);
     }
   }
 
-  /** `pin`: what the pin told besides the reservation (for unpin, should this attempt fail before Postgres). */
-  private async allocate(
-    pool: PoolEntity,
-    r: StoredReservation,
-    selection: string[],
-    again: boolean,
-    pin: { retaken: string[]; opened: boolean },
-  ): Promise<CommitOutcome> {
+  /** `pin`: what the pin returned: the reservation, and what unpin needs should this attempt fail before Postgres. */
+  private async allocate(pool: PoolEntity, selection: string[], again: boolean, pin: Pinned): Promise<CommitOutcome> {
+    const r = pin.reservation;
     const chosen = new Set(selection);
     const picked = r.items.filter((i) => chosen.has(i.id)).sort((a, b) => compareIds(a.id, b.id));
     const outcome: CommitOutcome = {
@@ -137,7 +140,7 @@ export class CommitService {
       // cannot land (it surely never reached Postgres, or Postgres has just ended its epoch), the 503 says nothing
       // was changed: Redis is put back as it was before the pin, as far as it can be (unpin.lua).
       const maybeSent = mayHaveReachedPostgres(err) || (firstFailure !== undefined && mayHaveReachedPostgres(firstFailure));
-      await this.holds.unpin(pool.name, r, settled !== null || !maybeSent ? pin : undefined).catch(() => false);
+      await this.holds.unpin(pool.name, pin, settled !== null || !maybeSent).catch(() => false);
       if (settled === null && maybeSent) throw outcomeUnknown(err);
       throw err;
     }

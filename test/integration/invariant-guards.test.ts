@@ -68,7 +68,7 @@ describe('invariant mechanisms, each guarded', () => {
     const confirm = await stalledConfirm(api, 'p11', r.body.id, chosen, 200);
     expect(await confirm.land()).toBe('committed');
     // The caller saw a Postgres timeout: un-pinned, held again until expiry.
-    expect(await api.app.get(HoldStore).unpin('p11', confirm.pinned.reservation)).toBe(true);
+    expect(await api.app.get(HoldStore).unpin('p11', confirm.pinned)).toBe(true);
     await sleep(1000 + api.config.HOLD_GRACE_MS + 1000);
     expect((await api.get(`/v1/reservations/${r.body.id}`)).body.state).toBe('confirmed');
     expect((await api.post('/v1/pools/p11/reservations', { owner: 'next', count: 2 })).body.error?.code).toBe('POOL_EXHAUSTED');

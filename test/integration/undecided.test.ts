@@ -2,7 +2,10 @@ import { afterAll, beforeAll, describe, expect, it, vi } from 'vitest';
 import { PoolRepository } from '../../src/database/pool.repository.js';
 import { GenerationRepository } from '../../src/database/generation.repository.js';
 import { ResourceRepository } from '../../src/database/resource.repository.js';
+import type { Redis } from 'ioredis';
 import { HoldStore, toCachedItem } from '../../src/redis/hold-store.repository.js';
+import { poolKeys } from '../../src/redis/keys.js';
+import { REDIS } from '../../src/redis/redis.client.js';
 import { CommitService } from '../../src/reservations/commit.service.js';
 import { DomainError } from '../../src/common/errors.js';
 import { TestInstance, TestWorld, eventually, numbers, seedPool, sleep, stalledConfirm, staleReadAt } from '../support/harness.js';
@@ -66,7 +69,7 @@ describe('commits whose outcome the caller never saw', () => {
     const confirm = await stalledConfirm(api, 'unseen', r.body.id, chosen, 200);
     expect(await confirm.land()).toBe('committed');
     // The confirm's caller saw an error (a timeout), so the reservation was un-pinned: held again.
-    expect(await api.app.get(HoldStore).unpin('unseen', confirm.pinned.reservation)).toBe(true);
+    expect(await api.app.get(HoldStore).unpin('unseen', confirm.pinned)).toBe(true);
     const released = await api.del(`/v1/reservations/${r.body.id}`);
     expect(released.status).toBe(409);
     expect(released.body.error.code).toBe('RESERVATION_CLOSED');
@@ -82,7 +85,7 @@ describe('commits whose outcome the caller never saw', () => {
     const r = await api.post('/v1/pools/never/reservations', { owner: 'buyer', count: 1 });
     const id = r.body.items[0].resourceId;
     const confirm = await stalledConfirm(api, 'never', r.body.id, id, 200);
-    expect(await api.app.get(HoldStore).unpin('never', confirm.pinned.reservation)).toBe(true);
+    expect(await api.app.get(HoldStore).unpin('never', confirm.pinned)).toBe(true);
     expect((await api.del(`/v1/reservations/${r.body.id}`)).status).toBe(200);
     // The lost commit arrives after the release: its epoch was given up.
     expect(await confirm.land()).toBe('decided');
@@ -232,11 +235,33 @@ describe('commits whose outcome the caller never saw', () => {
     const second = await stalledConfirm(api, 'joined', r.body.id, id, 5000);
     expect(second.pinned.reservation.epoch).toBe(first.pinned.reservation.epoch);
     // The first one's Postgres call fails: it must not end the window the second one still commits in.
-    expect(await api.app.get(HoldStore).unpin('joined', first.pinned.reservation)).toBe(false);
+    expect(await api.app.get(HoldStore).unpin('joined', first.pinned)).toBe(false);
     await sleep(1100); // past the hold's expiry: a sweeper looking now must leave the commit alone
     const pool = await api.app.get(PoolRepository).findByName('joined');
     expect(await api.app.get(CommitService).recoverStalled(pool!, r.body.id)).toBe('held');
     expect(await second.land()).toBe('committed');
+  });
+
+  it('an un-pin sent twice (HoldStore retries a Redis timeout) leaves alone a pin that came after its first run, whatever the clock did', async () => {
+    await seedPool(api, 'unpin-twice', numbers(1));
+    const r = await api.post('/v1/pools/unpin-twice/reservations', { owner: 'buyer', count: 1, ttlMs: 60_000 });
+    const id = r.body.items[0].resourceId;
+    const holds = api.app.get(HoldStore);
+    // A confirm whose commit surely never reached Postgres: its un-pin puts the reservation back with no epoch.
+    const first = await stalledConfirm(api, 'unpin-twice', r.body.id, id, 5000);
+    expect(await holds.unpin('unpin-twice', first.pinned, true)).toBe(true);
+    // The payment system's retry pins it again, in epoch 1 once more, and commits. Redis' clock had gone back
+    // meanwhile: this pin's window ends when the first one's did.
+    const second = await stalledConfirm(api, 'unpin-twice', r.body.id, id, 5000);
+    expect(second.pinned.reservation.epoch).toBe(first.pinned.reservation.epoch);
+    const record = poolKeys(world.prefix, 'unpin-twice').reservation(r.body.id);
+    await api.app.get<Redis>(REDIS).hset(record, 'pw', String(first.pinned.reservation.pinnedUntilMs));
+    // The first un-pin's reply was lost to a timeout, and it was sent again: it must not take the second pin apart.
+    expect(await holds.unpin('unpin-twice', first.pinned, true)).toBe(false);
+    expect(await api.app.get<Redis>(REDIS).hmget(record, 's', 'ep')).toEqual(['confirming', '1']);
+    expect(await second.land()).toBe('committed');
+    expect((await api.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [id] })).status).toBe(200);
+    expect((await api.post('/v1/pools/unpin-twice/reservations', { owner: 'rival', count: 1 })).body.error.code).toBe('POOL_EXHAUSTED');
   });
 
   it('a confirm with another selection does not join a commit that a version conflict is giving up', async () => {

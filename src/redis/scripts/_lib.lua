@@ -22,7 +22,8 @@
 -- Reservation fields: o owner, k kind ("r" reservation, "l" lease), s state (held, confirming, confirmed,
 -- released, expired), i items (JSON array of item JSON), c created ms, e expires ms, x outcome JSON,
 -- sel confirmed selection (sorted ids, comma separated), cnt "1" while its items count in oh/og,
--- ep the commit epoch: incremented by each pin that starts a commit (Postgres records who ended each epoch),
+-- ep the commit epoch: incremented by each pin that starts a commit (Postgres records who ended each epoch), pn the
+-- number of pins so far (never reset; unpin acts only for the last pin),
 -- g the Redis generation the holds were taken in (a commit lands only in that generation).
 
 local function tombstone(version)
@@ -198,9 +199,9 @@ end
 
 -- A reservation's fields by name, read in one call (a field it lacks is false), or nil if there is none.
 local function read_reservation(rkey)
-  local f = redis.call('HMGET', rkey, 's', 'o', 'k', 'c', 'e', 'i', 'x', 'ep', 'g', 'pw', 'cnt', 'sel')
+  local f = redis.call('HMGET', rkey, 's', 'o', 'k', 'c', 'e', 'i', 'x', 'ep', 'g', 'pw', 'cnt', 'sel', 'pn')
   if not f[1] then return nil end
-  return { s = f[1], o = f[2], k = f[3], c = f[4], e = f[5], i = f[6], x = f[7], ep = f[8], g = f[9], pw = f[10], cnt = f[11], sel = f[12] }
+  return { s = f[1], o = f[2], k = f[3], c = f[4], e = f[5], i = f[6], x = f[7], ep = f[8], g = f[9], pw = f[10], cnt = f[11], sel = f[12], pn = f[13] }
 end
 
 -- The reply describing a reservation from its fields (as read_reservation gives them, or as just written).

@@ -13,7 +13,7 @@
 --       reserve), 6 an epoch Postgres has ended ("" = none known): never joined, even while its window is open
 -- Returns: {"pinned", rid, state, owner, kind, createdMs, expiresMs, itemsJson, outcomeJson, nowMs, epoch, generation,
 --          pinnedUntil, retaken: the ids of the selected items whose hold had run out, which this pin took back
---          (comma separated), opened: "1" if this pin started the epoch (else it joined one)}
+--          (comma separated), opened: "1" if this pin started the epoch (else it joined one), this pin's number}
 --          | {"confirmed", ...the same fields up to pinnedUntil} (already committed) | {"missing"} | {"closed"} | {"notin", id}
 --          | {"lost", id}
 local base, rid, window, selection, grace, ended = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4], tonumber(ARGV[5]), ARGV[6]
@@ -42,12 +42,14 @@ end
 
 local opened = r.s ~= 'confirming' or tonumber(r.pw or 0) <= now or r.sel ~= selection or (r.ep or '0') == ended
 if opened then r.ep = tostring(tonumber(r.ep or 0) + 1) end
--- Every pin moves the window's end (by 1 ms at least, within one ms), so that unpin can tell whether another pin
--- joined the epoch after the one whose commit failed.
+-- Every pin of the reservation gets the next number ('pn', never reset), so that unpin can tell whether another
+-- pin came after the one whose commit failed, whatever Redis' clock did. A pin of a confirming reservation never
+-- moves the window's end back (should the clock have gone back).
+local pin_number = tostring((tonumber(r.pn) or 0) + 1)
 local window_end = now + window
 if r.s == 'confirming' and tonumber(r.pw or 0) >= window_end then window_end = tonumber(r.pw) + 1 end
 r.s, r.sel, r.pw = 'confirming', selection, tostring(window_end)
-redis.call('HSET', rkey, 's', r.s, 'sel', r.sel, 'pw', r.pw, 'ep', r.ep or '0')
+redis.call('HSET', rkey, 's', r.s, 'sel', r.sel, 'pw', r.pw, 'ep', r.ep or '0', 'pn', pin_number)
 -- The sweeper looks at it when the window ends, or when the holds of the items not selected run out, if that is
 -- sooner: should this confirm never end (its instance died), those items are free again then (invariant 4), not
 -- a window later. (The sweep leaves the items this reservation still holds alone.)
@@ -72,4 +74,5 @@ end
 local reply = reply_of('pinned', rid, r, now)
 reply[#reply + 1] = table.concat(retaken, ',')
 reply[#reply + 1] = opened and '1' or '0'
+reply[#reply + 1] = pin_number
 return reply

@@ -1,10 +1,11 @@
 -- unpin: a commit attempt failed before reaching Postgres' decision (Postgres unreachable, a timeout):
 -- the reservation is held again until its own expiry, as if the confirm had never come, so the caller
--- can retry. Only for the epoch that failed, and not when another confirm has joined it since (the window end,
--- 'pw', is no longer the failed pin's: every pin of a confirming reservation moves it forward, by 1 ms at least
--- even if Redis' clock went back): that one is still committing. Neither check needs the clock to go forward:
--- epochs only grow, except when an unpin below gives epoch 1 up, and only the unpin of an epoch's last pin does
--- that, of one that opened it, so no other pin of that epoch is left whose unpin could come after.
+-- can retry. Only while the failed pin is the reservation's last one ('pn', the pin number, is still its): not
+-- when another confirm has joined its epoch since (that one is still committing), nor when a later pin opened
+-- another epoch. The pin number is never reset, so an unpin sent twice (HoldStore retries a script that timed
+-- out) cannot act on a pin that came after its first run, which may have given epoch 1 up (below), whatever
+-- Redis' clock did. The window end ('pw') must still be the failed pin's as well: every pin moves it, including
+-- those of a version before pin numbers (during a rolling upgrade).
 -- When the attempt may have landed, the holds of the items it chose stay pinned: they end only when the sweeper
 -- has asked Postgres (at expiry, the reservation having an epoch), and past its expiry the reservation is left to
 -- the sweeper. When it cannot land (it surely never reached Postgres, or Postgres has ended its epoch: ARGV 6
@@ -17,14 +18,16 @@
 --   commit is refused, and it pins again in epoch 2). Its expiry is then a plain one: nothing waits for Postgres.
 -- ARGV: 1 base, 2 rid, 3 epoch, 4 the window end the failed pin set, 5 grace ms (see reserve),
 --       6 the ids the failed pin took back, comma separated, if the attempt cannot land ("" = none),
---       7 "1" if the attempt cannot land and its pin opened the epoch
+--       7 "1" if the attempt cannot land and its pin opened the epoch, 8 the failed pin's number
 -- Returns: 1 if the reservation is held again, 0 if it was left for the sweeper to settle
-local base, rid, epoch, window_end, grace = ARGV[1], ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[5])
+local base, rid, epoch, window_end, grace, pin_number = ARGV[1], ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[5]), ARGV[8]
 local retaken, restore = ARGV[6], ARGV[7] == '1' and ARGV[3] == '1'
 local rkey = base .. 'r:' .. rid
-local f = redis.call('HMGET', rkey, 's', 'e', 'ep', 'pw', 'i', 'sel')
+local f = redis.call('HMGET', rkey, 's', 'e', 'ep', 'pw', 'i', 'sel', 'pn')
 local now = now_ms()
-if f[1] ~= 'confirming' or f[3] ~= epoch or tonumber(f[4]) ~= tonumber(window_end) then return 0 end
+if f[1] ~= 'confirming' or f[3] ~= epoch or tonumber(f[4]) ~= tonumber(window_end) or tonumber(f[7]) ~= tonumber(pin_number) then
+  return 0
+end
 local expires = tonumber(f[2])
 if not restore then
   if expires > now then
