@@ -4,8 +4,9 @@
 -- when another confirm has joined its epoch since (that one is still committing), nor when a later pin opened
 -- another epoch. The pin number is never reset, so an unpin sent twice (HoldStore retries a script that timed
 -- out) cannot act on a pin that came after its first run, which may have given epoch 1 up (below), whatever
--- Redis' clock did. The window end ('pw') must still be the failed pin's as well: every pin moves it, including
--- those of a version before pin numbers (during a rolling upgrade).
+-- Redis' clock did. The window end ('pw') must still be the failed pin's as well, which tells apart a pin that
+-- joined the epoch without numbering it (a version before pin numbers; such a pin after a restore below is not
+-- told apart, which is why the README says not to run the two versions side by side).
 -- When the attempt may have landed, the holds of the items it chose stay pinned: they end only when the sweeper
 -- has asked Postgres (at expiry, the reservation having an epoch), and past its expiry the reservation is left to
 -- the sweeper. When it cannot land (it surely never reached Postgres, or Postgres has ended its epoch: ARGV 6
