@@ -347,7 +347,7 @@ export class HoldStore implements OnApplicationShutdown {
   async unpin(pool: string, pinned: Omit<Pinned, 'status'>, cannotLand = false): Promise<boolean> {
     const { reservation: r, pinNumber, retaken, opened } = pinned;
     const undo = cannotLand ? [retaken.join(','), opened ? '1' : '0'] : ['', '0'];
-    return (await this.run<number>('unpin', pool, r.id, r.epoch, r.pinnedUntilMs, this.config.HOLD_GRACE_MS, ...undo, pinNumber)) === 1;
+    return (await this.run<number>('unpin', pool, r.id, r.epoch, pinNumber, this.config.HOLD_GRACE_MS, ...undo)) === 1;
   }
 
   /** `abortedEpoch`: the reservation's commit epoch, which Postgres has recorded as given up. */

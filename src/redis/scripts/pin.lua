@@ -43,8 +43,8 @@ end
 local opened = r.s ~= 'confirming' or tonumber(r.pw or 0) <= now or r.sel ~= selection or (r.ep or '0') == ended
 if opened then r.ep = tostring(tonumber(r.ep or 0) + 1) end
 -- Every pin of the reservation gets the next number ('pn', never reset), so that unpin can tell whether another
--- pin came after the one whose commit failed, whatever Redis' clock did. A pin of a confirming reservation also
--- moves the window's end forward, by 1 ms at least (whatever the clock did), which unpin checks as well.
+-- pin came after the one whose commit failed, whatever Redis' clock did. A pin of a confirming reservation never
+-- moves the window's end back (should the clock have gone back).
 local pin_number = tostring((tonumber(r.pn) or 0) + 1)
 local window_end = now + window
 if r.s == 'confirming' and tonumber(r.pw or 0) >= window_end then window_end = tonumber(r.pw) + 1 end

@@ -4,9 +4,8 @@
 -- when another confirm has joined its epoch since (that one is still committing), nor when a later pin opened
 -- another epoch. The pin number is never reset, so an unpin sent twice (HoldStore retries a script that timed
 -- out) cannot act on a pin that came after its first run, which may have given epoch 1 up (below), whatever
--- Redis' clock did. The window end ('pw') must still be the failed pin's as well, which tells apart a pin that
--- joined the epoch without numbering it (a version before pin numbers; such a pin after a restore below is not
--- told apart, which is why the README says not to run the two versions side by side).
+-- Redis' clock did. (A version before pin numbers does not number its pins: the README says not to run the two
+-- side by side.)
 -- When the attempt may have landed, the holds of the items it chose stay pinned: they end only when the sweeper
 -- has asked Postgres (at expiry, the reservation having an epoch), and past its expiry the reservation is left to
 -- the sweeper. When it cannot land (it surely never reached Postgres, or Postgres has ended its epoch: ARGV 6
@@ -17,18 +16,16 @@
 --   gets back the end the reservation gives it, and the reservation has no epoch again (a confirm after this
 --   opens epoch 1 once more; should Postgres have recorded that epoch as given up meanwhile, that confirm's
 --   commit is refused, and it pins again in epoch 2). Its expiry is then a plain one: nothing waits for Postgres.
--- ARGV: 1 base, 2 rid, 3 epoch, 4 the window end the failed pin set, 5 grace ms (see reserve),
+-- ARGV: 1 base, 2 rid, 3 epoch, 4 the failed pin's number, 5 grace ms (see reserve),
 --       6 the ids the failed pin took back, comma separated, if the attempt cannot land ("" = none),
---       7 "1" if the attempt cannot land and its pin opened the epoch, 8 the failed pin's number
+--       7 "1" if the attempt cannot land and its pin opened the epoch
 -- Returns: 1 if the reservation is held again, 0 if it was left for the sweeper to settle
-local base, rid, epoch, window_end, grace, pin_number = ARGV[1], ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[5]), ARGV[8]
+local base, rid, epoch, pin_number, grace = ARGV[1], ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[5])
 local retaken, restore = ARGV[6], ARGV[7] == '1' and ARGV[3] == '1'
 local rkey = base .. 'r:' .. rid
-local f = redis.call('HMGET', rkey, 's', 'e', 'ep', 'pw', 'i', 'sel', 'pn')
+local f = redis.call('HMGET', rkey, 's', 'e', 'ep', 'pn', 'i', 'sel')
 local now = now_ms()
-if f[1] ~= 'confirming' or f[3] ~= epoch or tonumber(f[4]) ~= tonumber(window_end) or tonumber(f[7]) ~= tonumber(pin_number) then
-  return 0
-end
+if f[1] ~= 'confirming' or f[3] ~= epoch or tonumber(f[4]) ~= tonumber(pin_number) then return 0 end
 local expires = tonumber(f[2])
 if not restore then
   if expires > now then
