@@ -124,6 +124,12 @@ export class CommitService {
         return this.resources.allocate(allocation);
       });
     } catch (err) {
+      // This attempt joined an epoch that another attempt of the same confirm opened (the caller's retry, sent while
+      // that one was committing). That one may still land: ending the epoch here would make it fail in its turn, and
+      // should a third attempt join its next epoch and fail too, it would answer 409 HOLD_LOST with its hold intact.
+      // So the epoch is left to its opener (or the sweeper, at the window's end), Redis as it is, and this answer
+      // says what Postgres says now: landed, or not known yet.
+      if (!pin.opened) return this.joinedAttemptFailed(pool, r.id, selection, err);
       // No answer from Postgres, but the commit may have landed all the same (its answer late, or lost with the
       // connection). Postgres ends the epoch now, waiting for a commit of it in flight, so that the answer is true:
       // landed, the confirm succeeded; given up, nothing was changed, and this attempt can no longer land.
@@ -185,6 +191,17 @@ export class CommitService {
       generation: { held: r.generation, current: generation },
     });
     throw err;
+  }
+
+  /** A commit attempt that joined another's epoch got no answer from Postgres (see allocate). */
+  private async joinedAttemptFailed(pool: PoolEntity, reservationId: string, selection: string[], err: unknown): Promise<CommitOutcome> {
+    const landed = await this.landedCommit(reservationId).catch(() => null);
+    if (landed) {
+      await this.finishQuietly(pool, reservationId, landed);
+      return sameSelection(landed, selection);
+    }
+    if (!(err instanceof DomainError && err.code === ErrorCode.DEPENDENCY_UNAVAILABLE)) throw err;
+    throw outcomeUnknown(err, 'another attempt of this confirm, which this one joined, may still commit it');
   }
 
   /**
@@ -334,11 +351,14 @@ function mayHaveReachedPostgres(err: unknown): boolean {
   return !/timeout exceeded when trying to connect/.test(String((cause as { message?: unknown } | null)?.message));
 }
 
-/** A 503 whose commit may have landed: Postgres could not be asked. API.md's "nothing was changed" is not known. */
-function outcomeUnknown(cause: unknown): DomainError {
+/**
+ * A 503 whose commit may have landed: Postgres could not be asked, or another attempt of the same confirm may still
+ * land it (`why`). API.md's "nothing was changed" is not known.
+ */
+function outcomeUnknown(cause: unknown, why = 'the commit may have landed'): DomainError {
   const err = new DomainError(
     ErrorCode.DEPENDENCY_UNAVAILABLE,
-    'postgres did not answer, and the commit may have landed: send the same confirm again to learn its outcome (it is idempotent)',
+    `postgres did not answer, and ${why}: send the same confirm again to learn its outcome (it is idempotent)`,
     { dependency: 'postgres', outcome: 'unknown' },
   );
   (err as { cause?: unknown }).cause = cause;

@@ -369,6 +369,54 @@ describe('commits whose outcome the caller never saw', () => {
       }
     });
 
+    it('one that joined the epoch of an attempt still committing leaves that epoch alone: 503 outcome unknown, and the first attempt commits', async () => {
+      // The reverse of the case above: a's commit is slow, the payment system's retry reaches b, joins a's epoch, and
+      // b's call gets no answer. Were b to end the epoch, a would have to commit again in a new one, and a third
+      // attempt that joined that one and failed the same way would turn a into 409 HOLD_LOST, its hold intact.
+      const b = await world.start({ SWEEP_INTERVAL_MS: '10000', RECONCILE_INTERVAL_MS: '0' });
+      try {
+        await seedPool(api, 'joiner-fails', numbers(3, '1393000'));
+        const r = await api.post('/v1/pools/joiner-fails/reservations', { owner: 'buyer', count: 3 });
+        const [x] = r.body.items.map((i: { resourceId: string }) => i.resourceId);
+        const path = `/v1/reservations/${r.body.id}/confirm`;
+        let unblockA!: () => void;
+        const aGate = new Promise<void>((resolve) => (unblockA = resolve));
+        const aResources = api.app.get(ResourceRepository);
+        const allocate = aResources.allocate.bind(aResources);
+        const aAllocate = vi.spyOn(aResources, 'allocate').mockImplementation(async (allocation) => (await aGate, allocate(allocation)));
+        const bAllocate = vi.spyOn(b.app.get(ResourceRepository), 'allocate').mockImplementation(() => lost(new Error('Query read timeout')));
+        try {
+          const first = api.post(path, { resourceIds: [x] });
+          await sleep(200);
+          const second = await b.post(path, { resourceIds: [x] });
+          expect(second.status).toBe(503);
+          expect(second.body.error.details).toMatchObject({ dependency: 'postgres', outcome: 'unknown' });
+          expect(second.body.error.message).toMatch(/another attempt of this confirm/);
+          // Nothing ended epoch 1, and Redis still has it pinned for a.
+          expect(await world.query(`SELECT epoch, decision FROM t_commit_decision WHERE reservation_id = $1`, [r.body.id])).toEqual([]);
+          const stored = await b.app.get(HoldStore).read('joiner-fails', r.body.id);
+          expect([stored?.state, stored?.epoch]).toEqual(['confirming', 1]);
+          unblockA();
+          const answerA = await first;
+          expect(answerA.status, JSON.stringify(answerA.body)).toBe(200);
+          const decisions = await world.query(`SELECT epoch, decision FROM t_commit_decision WHERE reservation_id = $1`, [r.body.id]);
+          expect(decisions).toEqual([{ epoch: 1, decision: 'commit' }]);
+          bAllocate.mockRestore();
+          // The payment system sends it once more: the same answer.
+          const again = await b.post(path, { resourceIds: [x] });
+          expect(again.status).toBe(200);
+          expect(again.body).toEqual(answerA.body);
+        } finally {
+          unblockA();
+          aAllocate.mockRestore();
+          bAllocate.mockRestore();
+        }
+        expect(await api.stats('joiner-fails')).toEqual({ total: 3, free: 2, held: 0, allocated: 1 });
+      } finally {
+        await b.close();
+      }
+    });
+
     it('and Postgres cannot be asked either: 503 that says the outcome is not known, unless the commit never left', async () => {
       await seedPool(api, 'unknown', numbers(2, '1391000'));
       const r = await api.post('/v1/pools/unknown/reservations', { owner: 'buyer', count: 2 });
