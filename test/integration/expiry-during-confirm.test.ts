@@ -1,5 +1,6 @@
 import { afterAll, beforeAll, describe, expect, it, vi } from 'vitest';
 import { DomainError } from '../../src/common/errors.js';
+import { PoolRepository } from '../../src/database/pool.repository.js';
 import { ResourceRepository } from '../../src/database/resource.repository.js';
 import { HoldStore } from '../../src/redis/hold-store.repository.js';
 import { CommitService } from '../../src/reservations/commit.service.js';
@@ -56,6 +57,32 @@ describe('expiry of a reservation whose confirm never ended', () => {
     const again = await b.post('/v1/pools/died-pin-window/reservations', { owner: 'next', count: 1 });
     expect(again.status, JSON.stringify(again.body)).toBe(201);
     expect(ids(again)).toEqual([chosen]);
+  });
+
+  it('with Postgres down at expiry, a reservation held again after its commit was given up frees all its items within 2 s', async () => {
+    await seedPool(a, 'held-again', numbers(3, '1383000'));
+    const r = await a.post('/v1/pools/held-again/reservations', { owner: 'buyer', count: 3, ttlMs: 2000 });
+    const [chosen] = ids(r);
+    // A confirm pins with a short window and its instance dies; once the window is over, the epoch is given up in
+    // Postgres and, the hold being still due, the reservation is held again for its owner to retry.
+    expect((await a.app.get(HoldStore).pin('held-again', r.body.id, [chosen], 300)).status).toBe('pinned');
+    await sleep(400);
+    const pool = await a.app.get(PoolRepository).findByName('held-again');
+    expect(await a.app.get(CommitService).recoverStalled(pool!, r.body.id)).toBe('held');
+    expect((await a.get(`/v1/reservations/${r.body.id}`)).body.state).toBe('held');
+    const spies = [
+      vi.spyOn(a.app.get(CommitService), 'recoverStalled').mockImplementation(pgDown),
+      vi.spyOn(b.app.get(CommitService), 'recoverStalled').mockImplementation(pgDown),
+    ];
+    try {
+      // Postgres has ended every epoch of it, so nothing needs to wait for it: all three are free again.
+      await untilExpiry(r, 2000);
+      const next = await b.post('/v1/pools/held-again/reservations', { owner: 'next', count: 3 });
+      expect(next.status, JSON.stringify(next.body)).toBe(201);
+      expect(ids(next).sort()).toEqual(ids(r).sort());
+    } finally {
+      for (const spy of spies) spy.mockRestore();
+    }
   });
 
   it('with Postgres down, a confirm that arrives in the grace, answered 503, does not keep the items it did not choose', async () => {

@@ -63,21 +63,22 @@ end
 
 local expires = tonumber(r.e)
 if expires > now and next(allocated) == nil and next(fresh) == nil then
-  -- Nothing changed under it and the hold is still due: held again, owner may retry the confirm. Its
-  -- holds last until the sweeper settles it at expiry (it has an epoch), like pinned ones.
-  local keep = tonumber(redis.call('PTTL', rkey))
-  if keep <= 0 then keep = expires + grace - now end
+  -- Nothing changed under it and the hold is still due: held again, owner may retry the confirm. Postgres has
+  -- ended every epoch of it up to this one, so no commit can land on these holds: they end with the hold, as the
+  -- reserve's did, and the sweep frees them then without waiting for Postgres (invariant 4). A confirm that comes
+  -- first pins what it selects again, in a new epoch.
   for _, item in ipairs(items) do
     local hkey = base .. 'h:' .. item.id
     local holder = redis.call('GET', hkey)
     if holder == rid or not holder then
       unindex(base, item)
-      redis.call('SET', hkey, rid, 'PX', math.max(keep, expires + grace - now))
+      redis.call('SET', hkey, rid, 'PX', expires + grace - now)
     end
   end
-  -- 'ep' stays: at expiry the sweeper asks Postgres again, which already says 'abort' for this epoch.
+  -- 'ep' stays: at expiry the sweeper asks Postgres again, which already says 'abort' for this epoch. It looks 1 ms
+  -- after the holds end (Redis drops a key only once its time is past), so it finds them gone and frees the items.
   redis.call('HSET', rkey, 's', 'held')
-  redis.call('ZADD', base .. 'exp', expires + grace, rid)
+  redis.call('ZADD', base .. 'exp', expires + grace + 1, rid)
   return -2
 end
 
