@@ -300,6 +300,7 @@ export class HoldStore implements OnApplicationShutdown {
       selection.join(','),
       this.config.HOLD_GRACE_MS,
       endedEpoch ?? '',
+      this.openRecordMs,
     );
     switch (reply[0]) {
       case 'pinned':

@@ -1,5 +1,8 @@
-import { afterAll, describe, expect, it } from 'vitest';
-import { TestWorld, sleep } from '../support/harness.js';
+import { afterAll, describe, expect, it, vi } from 'vitest';
+import { DomainError } from '../../src/common/errors.js';
+import { HoldStore } from '../../src/redis/hold-store.repository.js';
+import { CommitService } from '../../src/reservations/commit.service.js';
+import { TestWorld, eventually, numbers, seedPool, sleep } from '../support/harness.js';
 
 /**
  * RESERVATION_RETENTION_MS is how long a closed reservation stays readable; an open one's record must last until
@@ -37,5 +40,40 @@ describe('open reservation records outlive a short retention', () => {
     }
     expect(last.body?.error ?? null).toBeNull();
     expect(last.status).toBe(200);
+  }, 20_000);
+});
+
+describe('a reservation re-opened by a late confirm outlives a short retention', () => {
+  const world = new TestWorld('reopened', { RESERVATION_RETENTION_MS: '1000', IDEMPOTENCY_TTL_MS: '1000' });
+  afterAll(() => world.cleanup());
+
+  it('its chosen item comes back once Postgres, down past the retention, settles the commit', async () => {
+    // No periodic rebuild: only the sweeper can bring the item back. A window of 1 s: the sweep looks again 1 s on.
+    const api = await world.start({ RECONCILE_INTERVAL_MS: '0', COMMIT_WINDOW_MS: '1000' });
+    await seedPool(api, 'late', numbers(2, '1384000'));
+    const r = await api.post('/v1/pools/late/reservations', { owner: 'buyer', count: 2, ttlMs: 1000 });
+    const [chosen] = r.body.items.map((i: { resourceId: string }) => i.resourceId);
+    // Swept: closed, both items free again, its record kept for the retention (1 s) only.
+    await eventually(async () => (await api.stats('late')).free === 2, 5000);
+    const down = vi
+      .spyOn(api.app.get(CommitService), 'recoverStalled')
+      .mockImplementation(() => Promise.reject(DomainError.unavailable('postgres', new Error('connect ECONNREFUSED'))));
+    try {
+      // A confirm arrives late (API.md: it still succeeds for items nobody took), takes the item back and pins it,
+      // and its instance dies before Postgres; Postgres is down past the record's retention.
+      const rec = (await import('../../src/redis/keys.js')).poolKeys(world.prefix, 'late').reservation(r.body.id);
+      const red = api.app.get((await import('../../src/redis/redis.client.js')).REDIS) as import('ioredis').Redis;
+      console.log('DEBUG before', await red.pttl(rec));
+      expect((await api.app.get(HoldStore).pin('late', r.body.id, [chosen], 500)).status).toBe('pinned');
+      console.log('DEBUG after', await red.pttl(rec));
+      await sleep(2500);
+      console.log('DEBUG', JSON.stringify(await api.get(`/v1/reservations/${r.body.id}`)), JSON.stringify(await api.stats('late')));
+    } finally {
+      down.mockRestore();
+    }
+    // Postgres is back: the sweeper settles the commit (given up) and both items are free.
+    await eventually(async () => (await api.stats('late')).free === 2, 5000);
+    const next = await api.post('/v1/pools/late/reservations', { owner: 'next', count: 2 });
+    expect(next.status, JSON.stringify(next.body)).toBe(201);
   }, 20_000);
 });

@@ -10,13 +10,15 @@
 -- while another may have joined it); its own commit would be refused while its hold is still due. Two epochs cannot both commit: Postgres keeps one
 -- commit per reservation.
 -- ARGV: 1 base, 2 rid, 3 commit window ms, 4 selection (resource ids, comma separated, sorted), 5 grace ms (see
---       reserve), 6 an epoch Postgres has ended ("" = none known): never joined, even while its window is open
+--       reserve), 6 an epoch Postgres has ended ("" = none known): never joined, even while its window is open,
+--       7 how long an open record lasts at least (see reserve): a pin re-opens an expired one
 -- Returns: {"pinned", rid, state, owner, kind, createdMs, expiresMs, itemsJson, outcomeJson, nowMs, epoch, generation,
 --          pinnedUntil, retaken: the ids of the selected items whose hold had run out, which this pin took back
 --          (comma separated), opened: "1" if this pin started the epoch (else it joined one), this pin's number}
 --          | {"confirmed", ...the same fields up to pinnedUntil} (already committed) | {"missing"} | {"closed"} | {"notin", id}
 --          | {"lost", id}
 local base, rid, window, selection, grace, ended = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4], tonumber(ARGV[5]), ARGV[6]
+local open_record = tonumber(ARGV[7])
 local rkey = base .. 'r:' .. rid
 local r = read_reservation(rkey)
 local now = now_ms()
@@ -54,7 +56,10 @@ redis.call('HSET', rkey, 's', r.s, 'sel', r.sel, 'pw', r.pw, 'ep', r.ep or '0', 
 -- sooner: should this confirm never end (its instance died), those items are free again then (invariant 4), not
 -- a window later. (The sweep leaves the items this reservation still holds alone.)
 redis.call('ZADD', base .. 'exp', math.min(window_end, (tonumber(r.e) or now) + grace + 1), rid)
-local keep = window + tonumber(redis.call('PTTL', rkey))
+-- The record (and the pinned holds, below) last until the sweeper has settled the epoch. An expired record that
+-- this pin re-opens had only its retention left, which may be short (RESERVATION_RETENTION_MS): gone before the
+-- epoch was settled, its chosen items would stay out of the pool until a rebuild.
+local keep = window + math.max(tonumber(redis.call('PTTL', rkey)), open_record)
 redis.call('PEXPIRE', rkey, keep)
 -- From now on Postgres may commit these items at any moment, until the epoch is decided. Their holds
 -- therefore last as long as the reservation record: they end when the decision is applied (finish, or
