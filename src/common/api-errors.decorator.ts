@@ -23,7 +23,7 @@ export class ErrorDetailDto {
           properties: {
             field: {
               type: 'string',
-              description: 'The field, as a path into the body (`items.0.value`), or `body`, `query`, `path`, `request`',
+              description: 'The field: a path into the body (`items.0.value`); a path parameter, header or query-string field by its name (`pool`, `id`, `Idempotency-Key`); or `body`, `path`, `request` for the request as a whole',
             },
             reason: { type: 'string', description: 'Why it was refused' },
           },

@@ -104,7 +104,7 @@ export class AppConfig {
   @Max(10_000)
   SWEEP_INTERVAL_MS = 250;
 
-  /** How often one instance re-adds free Postgres rows missing from Redis (0 = only at start-up and when Redis was wiped). */
+  /** How often one instance re-adds free Postgres rows missing from Redis (0 = only at start-up, after a wipe, and to finish a rebuild that failed midway). */
   @Transform(toInt)
   @IsInt()
   @Min(0)
