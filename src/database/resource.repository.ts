@@ -198,6 +198,14 @@ export class ResourceRepository {
     });
   }
 
+  /** What Postgres recorded for one commit epoch of the reservation, if anything yet (it writes nothing). */
+  async decisionOf(reservationId: string, epoch: number): Promise<'commit' | 'abort' | null> {
+    const rows: { decision: 'commit' | 'abort' }[] = await pg(() =>
+      this.db.query(`SELECT decision FROM t_commit_decision WHERE reservation_id = $1 AND epoch = $2`, [reservationId, epoch]),
+    );
+    return rows[0]?.decision ?? null;
+  }
+
   /** allocated -> free for this owner, version incremented, history row written. Null if not allocated to that owner. */
   async release(poolId: string, id: string, owner: string): Promise<ResourceRow | null> {
     const rows: ResourceRow[] = await pg(() =>

@@ -128,8 +128,21 @@ export class CommitService {
       // that one was committing). That one may still land: ending the epoch here would make it fail in its turn, and
       // should a third attempt join its next epoch and fail too, it would answer 409 HOLD_LOST with its hold intact.
       // So the epoch is left to its opener (or the sweeper, at the window's end), Redis as it is, and this answer
-      // says what Postgres says now: landed, or not known yet.
-      if (!pin.opened) return this.joinedAttemptFailed(pool, r.id, selection, err);
+      // says what Postgres says now: landed, or not known yet. Unless no other attempt can land it: Postgres has
+      // ended it already (that attempt failed too), or this pin had to take items back (the attempt before it was
+      // undone as one that cannot land, and nothing has held them since); then this attempt settles as its opener
+      // would.
+      if (!pin.opened && pin.retaken.length === 0) {
+        const other = await this.joinedEpoch(r.id, r.epoch);
+        if (other.landed) {
+          await this.finishQuietly(pool, r.id, other.landed);
+          return sameSelection(other.landed, selection);
+        }
+        if (!other.ended) {
+          if (!(err instanceof DomainError && err.code === ErrorCode.DEPENDENCY_UNAVAILABLE)) throw err;
+          throw outcomeUnknown(err, 'another attempt of this confirm, which this one joined, may still commit it');
+        }
+      }
       // No answer from Postgres, but the commit may have landed all the same (its answer late, or lost with the
       // connection). Postgres ends the epoch now, waiting for a commit of it in flight, so that the answer is true:
       // landed, the confirm succeeded; given up, nothing was changed, and this attempt can no longer land.
@@ -146,7 +159,7 @@ export class CommitService {
       // cannot land (it surely never reached Postgres, or Postgres has just ended its epoch), the 503 says nothing
       // was changed: Redis is put back as it was before the pin, as far as it can be (unpin.lua).
       const maybeSent = mayHaveReachedPostgres(err) || (firstFailure !== undefined && mayHaveReachedPostgres(firstFailure));
-      await this.holds.unpin(pool.name, pin, settled !== null || !maybeSent).catch(() => false);
+      await this.holds.unpin(pool.name, pin, settled !== null || !maybeSent, settled !== null).catch(() => false);
       if (settled === null && maybeSent) throw outcomeUnknown(err);
       throw err;
     }
@@ -193,15 +206,17 @@ export class CommitService {
     throw err;
   }
 
-  /** A commit attempt that joined another's epoch got no answer from Postgres (see allocate). */
-  private async joinedAttemptFailed(pool: PoolEntity, reservationId: string, selection: string[], err: unknown): Promise<CommitOutcome> {
-    const landed = await this.landedCommit(reservationId).catch(() => null);
-    if (landed) {
-      await this.finishQuietly(pool, reservationId, landed);
-      return sameSelection(landed, selection);
+  /**
+   * What Postgres says, without deciding anything, of an epoch this instance's attempt joined and got no answer
+   * for (see allocate): its commit, if one landed; `ended`, if it was given up. Neither when Postgres cannot say.
+   */
+  private async joinedEpoch(reservationId: string, epoch: number): Promise<{ landed?: CommitOutcome; ended?: boolean }> {
+    try {
+      if ((await this.resources.decisionOf(reservationId, epoch)) === 'abort') return { ended: true };
+      return { landed: (await this.landedCommit(reservationId)) ?? undefined };
+    } catch {
+      return {};
     }
-    if (!(err instanceof DomainError && err.code === ErrorCode.DEPENDENCY_UNAVAILABLE)) throw err;
-    throw outcomeUnknown(err, 'another attempt of this confirm, which this one joined, may still commit it');
   }
 
   /**

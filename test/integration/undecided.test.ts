@@ -417,6 +417,86 @@ describe('commits whose outcome the caller never saw', () => {
       }
     });
 
+    it('one that joined an epoch its opener failed and ended settles as the opener would: the plain 503, the reservation held again', async () => {
+      const b = await world.start({ SWEEP_INTERVAL_MS: '10000', RECONCILE_INTERVAL_MS: '0' });
+      try {
+        await seedPool(api, 'both-fail', numbers(3, '1394000'));
+        const r = await api.post('/v1/pools/both-fail/reservations', { owner: 'buyer', count: 3 });
+        const [x] = r.body.items.map((i: { resourceId: string }) => i.resourceId);
+        const path = `/v1/reservations/${r.body.id}/confirm`;
+        let unblockA!: () => void;
+        const aGate = new Promise<void>((resolve) => (unblockA = resolve));
+        let aAnswered!: () => void;
+        const aDone = new Promise<void>((resolve) => (aAnswered = resolve));
+        const aAllocate = vi.spyOn(api.app.get(ResourceRepository), 'allocate').mockImplementation(async () => {
+          await aGate;
+          return lost(new Error('Query read timeout'));
+        });
+        const bAllocate = vi.spyOn(b.app.get(ResourceRepository), 'allocate').mockImplementation(async () => {
+          await aDone;
+          return lost(new Error('Query read timeout'));
+        });
+        try {
+          const first = api.post(path, { resourceIds: [x] });
+          await sleep(200);
+          const second = b.post(path, { resourceIds: [x] });
+          await sleep(200);
+          unblockA();
+          const answerA = await first;
+          aAnswered();
+          const answerB = await second;
+          // a ended epoch 1 (its 503 is true); b's commit can no longer land either, so its 503 is true too.
+          for (const answer of [answerA, answerB]) {
+            expect(answer.status).toBe(503);
+            expect(answer.body.error.message).toMatch(/nothing was changed/);
+            expect(answer.body.error.details.outcome).toBeUndefined();
+          }
+          const stored = await b.app.get(HoldStore).read('both-fail', r.body.id);
+          expect(stored?.state).toBe('held');
+        } finally {
+          unblockA();
+          aAnswered();
+          aAllocate.mockRestore();
+          bAllocate.mockRestore();
+        }
+        expect((await b.post(path, { resourceIds: [x] })).status).toBe(200);
+      } finally {
+        await b.close();
+      }
+    });
+
+    it('one that joined an epoch but had to take its items back (the attempt before was undone) gives them back: the plain 503', async () => {
+      await seedPool(api, 'retaken-join', numbers(3, '1395000'));
+      const r = await api.post('/v1/pools/retaken-join/reservations', { owner: 'buyer', count: 3, ttlMs: 1000 });
+      const [x] = r.body.items.map((i: { resourceId: string }) => i.resourceId);
+      const pool = await api.app.get(PoolRepository).findByName('retaken-join');
+      // Epoch 1 pinned and given up while the hold is due: held again, its holds ending with the hold.
+      await stalledConfirm(api, 'retaken-join', r.body.id, x, 300);
+      await sleep(400);
+      expect(await api.app.get(CommitService).recoverStalled(pool!, r.body.id)).toBe('held');
+      await sleep(Math.max(0, Date.parse(r.body.expiresAt) + api.config.HOLD_GRACE_MS + 100 - Date.now()));
+      // Past the expiry, before any sweep (this world's sweeper is slow), and Postgres refuses connections.
+      const resources = api.app.get(ResourceRepository);
+      const refused = () => lost(Object.assign(new Error('connect ECONNREFUSED 127.0.0.1:5432'), { code: 'ECONNREFUSED' }));
+      const spies = [vi.spyOn(resources, 'allocate').mockImplementation(refused), vi.spyOn(resources, 'decideAbort').mockImplementation(refused)];
+      try {
+        // The first confirm opens epoch 2, takes x back, cannot reach Postgres and gives x back (its epoch still open
+        // in Redis); the caller's retry joins that epoch and takes x back again.
+        const path = `/v1/reservations/${r.body.id}/confirm`;
+        for (const attempt of [await api.post(path, { resourceIds: [x] }), await api.post(path, { resourceIds: [x] })]) {
+          expect(attempt.status).toBe(503);
+          expect(attempt.body.error.message).toMatch(/nothing was changed/);
+        }
+        expect((await api.app.get(HoldStore).read('retaken-join', r.body.id))?.epoch).toBe(2);
+      } finally {
+        for (const spy of spies) spy.mockRestore();
+      }
+      // Nothing holds x: it is free again, not kept for an epoch nobody can land.
+      const next = await api.post('/v1/pools/retaken-join/reservations', { owner: 'next', count: 1 });
+      expect(next.status, JSON.stringify(next.body)).toBe(201);
+      expect(next.body.items[0].resourceId).toBe(x);
+    });
+
     it('and Postgres cannot be asked either: 503 that says the outcome is not known, unless the commit never left', async () => {
       await seedPool(api, 'unknown', numbers(2, '1391000'));
       const r = await api.post('/v1/pools/unknown/reservations', { owner: 'buyer', count: 2 });
