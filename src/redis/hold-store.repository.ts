@@ -343,11 +343,12 @@ export class HoldStore implements OnApplicationShutdown {
    * A commit attempt failed before Postgres decided it: held again until its expiry, unless another pin came
    * since. `pinned`: what the failed pin returned. False if left to the sweeper. `cannotLand`: the attempt surely
    * never reached Postgres, or Postgres has ended its epoch: Redis is then put back as it was before the pin, as
-   * far as it can be (unpin.lua).
+   * far as it can be (unpin.lua). `ended`: Postgres has ended every epoch of it up to this one (implies `cannotLand`):
+   * the holds then end with the hold, as if no commit had started.
    */
-  async unpin(pool: string, pinned: Omit<Pinned, 'status'>, cannotLand = false): Promise<boolean> {
+  async unpin(pool: string, pinned: Omit<Pinned, 'status'>, cannotLand = false, ended = false): Promise<boolean> {
     const { reservation: r, pinNumber, retaken, opened } = pinned;
-    const undo = cannotLand ? [retaken.join(','), opened ? '1' : '0'] : ['', '0'];
+    const undo = cannotLand || ended ? [retaken.join(','), opened ? '1' : '0', ended ? '1' : '0'] : ['', '0', '0'];
     return (await this.run<number>('unpin', pool, r.id, r.epoch, pinNumber, this.config.HOLD_GRACE_MS, ...undo)) === 1;
   }
 

@@ -85,6 +85,65 @@ describe('expiry of a reservation whose confirm never ended', () => {
     }
   });
 
+  it('with Postgres down at expiry, a reservation held again by a confirm whose epoch Postgres ended frees all its items within 2 s', async () => {
+    await seedPool(a, 'ended-unpin', numbers(3, '1385000'));
+    const r = await a.post('/v1/pools/ended-unpin/reservations', { owner: 'buyer', count: 3, ttlMs: 2000 });
+    const [chosen] = ids(r);
+    // Epoch 1 given up while the hold is due (as above), so the next confirm opens epoch 2.
+    expect((await a.app.get(HoldStore).pin('ended-unpin', r.body.id, [chosen], 300)).status).toBe('pinned');
+    await sleep(400);
+    const pool = await a.app.get(PoolRepository).findByName('ended-unpin');
+    expect(await a.app.get(CommitService).recoverStalled(pool!, r.body.id)).toBe('held');
+    // Its commit times out; Postgres ends epoch 2 (nothing landed): 503, nothing was changed, held again.
+    const timeout = vi
+      .spyOn(a.app.get(ResourceRepository), 'allocate')
+      .mockImplementation(() => Promise.reject(DomainError.unavailable('postgres', new Error('Query read timeout'))));
+    try {
+      const confirm = await a.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [chosen] });
+      expect(confirm.status).toBe(503);
+      expect(confirm.body.error.message).toMatch(/nothing was changed/);
+    } finally {
+      timeout.mockRestore();
+    }
+    expect((await a.app.get(HoldStore).read('ended-unpin', r.body.id))?.epoch).toBe(2);
+    const spies = [
+      vi.spyOn(a.app.get(CommitService), 'recoverStalled').mockImplementation(pgDown),
+      vi.spyOn(b.app.get(CommitService), 'recoverStalled').mockImplementation(pgDown),
+    ];
+    try {
+      await untilExpiry(r, 2000);
+      const next = await b.post('/v1/pools/ended-unpin/reservations', { owner: 'next', count: 3 });
+      expect(next.status, JSON.stringify(next.body)).toBe(201);
+      expect(ids(next).sort()).toEqual(ids(r).sort());
+    } finally {
+      for (const spy of spies) spy.mockRestore();
+    }
+  });
+
+  it('with Postgres down at expiry, a held-again reservation extended to a shorter hold frees its items within 2 s of the new expiry', async () => {
+    await seedPool(a, 'held-again-shorter', numbers(3, '1386000'));
+    const r = await a.post('/v1/pools/held-again-shorter/reservations', { owner: 'buyer', count: 3, ttlMs: 6000 });
+    const [chosen] = ids(r);
+    expect((await a.app.get(HoldStore).pin('held-again-shorter', r.body.id, [chosen], 300)).status).toBe('pinned');
+    await sleep(400);
+    const pool = await a.app.get(PoolRepository).findByName('held-again-shorter');
+    expect(await a.app.get(CommitService).recoverStalled(pool!, r.body.id)).toBe('held');
+    const extended = await a.post(`/v1/reservations/${r.body.id}/extend`, { ttlMs: 1000 });
+    expect(extended.status, JSON.stringify(extended.body)).toBe(200);
+    const spies = [
+      vi.spyOn(a.app.get(CommitService), 'recoverStalled').mockImplementation(pgDown),
+      vi.spyOn(b.app.get(CommitService), 'recoverStalled').mockImplementation(pgDown),
+    ];
+    try {
+      // Well before the first expiry (6 s): the holds follow the new one.
+      await untilExpiry(extended, 2000);
+      const next = await b.post('/v1/pools/held-again-shorter/reservations', { owner: 'next', count: 3 });
+      expect(next.status, JSON.stringify(next.body)).toBe(201);
+    } finally {
+      for (const spy of spies) spy.mockRestore();
+    }
+  });
+
   it('with Postgres down, a confirm that arrives in the grace, answered 503, does not keep the items it did not choose', async () => {
     await seedPool(a, 'grace-503', numbers(3, '1381000'));
     const r = await a.post('/v1/pools/grace-503/reservations', { owner: 'buyer', count: 3, ttlMs: 1000 });

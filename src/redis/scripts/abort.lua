@@ -77,7 +77,7 @@ if expires > now and next(allocated) == nil and next(fresh) == nil then
   end
   -- 'ep' stays: at expiry the sweeper asks Postgres again, which already says 'abort' for this epoch. It looks 1 ms
   -- after the holds end (Redis drops a key only once its time is past), so it finds them gone and frees the items.
-  redis.call('HSET', rkey, 's', 'held')
+  redis.call('HSET', rkey, 's', 'held', 'ad', epoch)
   redis.call('ZADD', base .. 'exp', expires + grace + 1, rid)
   return -2
 end

@@ -9,15 +9,18 @@ local now = now_ms()
 if not r then return { 'missing' } end
 if r.s == 'expired' or (r.s == 'held' and tonumber(r.e) <= now) then return { 'expired' } end
 if r.s ~= 'held' then return { 'closed' } end
-local pinned = r.ep ~= false
+-- Holds of a reservation that started a commit last until the sweeper settles it: never shortened. Unless Postgres
+-- has ended its last epoch ('ad', see abort and unpin): no commit can land on them, and they are plain holds again.
+local pinned = r.ep ~= false and redis.call('HGET', rkey, 'ad') ~= r.ep
 for _, item in ipairs(decode_items(r.i)) do
   local hkey = base .. 'h:' .. item.id
   if redis.call('GET', hkey) ~= rid then return { 'expired' } end
-  -- Holds of a reservation that started a commit last until the sweeper settles it: never shortened.
   if not pinned or tonumber(redis.call('PTTL', hkey)) < ttl + grace then redis.call('PEXPIRE', hkey, ttl + grace) end
 end
 r.e = tostring(now + ttl)
 redis.call('HSET', rkey, 'e', r.e)
-redis.call('ZADD', base .. 'exp', now + ttl + grace, rid)
+-- With an epoch, the sweep leaves the holds still its own to Postgres: it looks 1 ms after they end (Redis drops a
+-- key only once its time is past).
+redis.call('ZADD', base .. 'exp', now + ttl + grace + (r.ep and 1 or 0), rid)
 redis.call('PEXPIRE', rkey, ttl + grace + open_record_ms)
 return reply_of('extended', rid, r, now)

@@ -16,18 +16,22 @@
 --   gets back the end the reservation gives it, and the reservation has no epoch again (a confirm after this
 --   opens epoch 1 once more; should Postgres have recorded that epoch as given up meanwhile, that confirm's
 --   commit is refused, and it pins again in epoch 2). Its expiry is then a plain one: nothing waits for Postgres.
+-- When Postgres has ended every epoch of the reservation up to this one (ARGV 8), no commit can land on its holds:
+-- they end with the hold again, as after abort's "held again", so that at expiry the sweep frees the items without
+-- waiting for Postgres (invariant 4), and the reservation records the epoch as ended ('ad', for extend).
 -- ARGV: 1 base, 2 rid, 3 epoch, 4 the failed pin's number, 5 grace ms (see reserve),
 --       6 the ids the failed pin took back, comma separated, if the attempt cannot land ("" = none),
---       7 "1" if the attempt cannot land and its pin opened the epoch
+--       7 "1" if the attempt cannot land and its pin opened the epoch, 8 "1" if Postgres has ended every epoch up
+--       to this one
 -- Returns: 1 if the reservation is held again, 0 if it was left for the sweeper to settle
 local base, rid, epoch, pin_number, grace = ARGV[1], ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[5])
-local retaken, restore = ARGV[6], ARGV[7] == '1' and ARGV[3] == '1'
+local retaken, restore, ended = ARGV[6], ARGV[7] == '1' and ARGV[3] == '1', ARGV[8] == '1'
 local rkey = base .. 'r:' .. rid
 local f = redis.call('HMGET', rkey, 's', 'e', 'ep', 'pn', 'i', 'sel')
 local now = now_ms()
 if f[1] ~= 'confirming' or f[3] ~= epoch or tonumber(f[4]) ~= tonumber(pin_number) then return 0 end
 local expires = tonumber(f[2])
-if not restore then
+if not restore and not ended then
   if expires > now then
     redis.call('HSET', rkey, 's', 'held')
     redis.call('ZADD', base .. 'exp', expires + grace, rid)
@@ -45,15 +49,21 @@ for _, item in ipairs(decode_items(f[5])) do
       redis.call('DEL', hkey)
       -- (Unheld before the pin, it may have been allocated meanwhile: then it has no cache entry, and stays out.)
       if redis.call('HEXISTS', item_key(base, item.id), item.id) == 1 then back[#back + 1] = item end
-    elseif restore then
-      -- Past its end already, Redis drops it now, and the sweep below frees the item.
+    elseif restore or ended then
+      -- Past its end already, Redis drops it now, and the sweep frees the item.
       redis.call('PEXPIREAT', hkey, expires + grace)
     end
   end
 end
 index_all(base, back)
-if not restore then return 0 end
+if not restore then
+  if not ended or expires <= now then return 0 end
+  -- Held again; the sweep looks 1 ms after the holds end (Redis drops a key only once its time is past).
+  redis.call('HSET', rkey, 's', 'held', 'ad', epoch)
+  redis.call('ZADD', base .. 'exp', expires + grace + 1, rid)
+  return 1
+end
 redis.call('HSET', rkey, 's', 'held')
-redis.call('HDEL', rkey, 'ep', 'sel', 'pw')
+redis.call('HDEL', rkey, 'ep', 'sel', 'pw', 'ad')
 redis.call('ZADD', base .. 'exp', expires + grace, rid)
 return 1
