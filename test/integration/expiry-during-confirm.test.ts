@@ -59,89 +59,66 @@ describe('expiry of a reservation whose confirm never ended', () => {
     expect(ids(again)).toEqual([chosen]);
   });
 
-  it('with Postgres down at expiry, a reservation held again after its commit was given up frees all its items within 2 s', async () => {
-    await seedPool(a, 'held-again', numbers(3, '1383000'));
-    const r = await a.post('/v1/pools/held-again/reservations', { owner: 'buyer', count: 3, ttlMs: 2000 });
-    const [chosen] = ids(r);
-    // A confirm pins with a short window and its instance dies; once the window is over, the epoch is given up in
-    // Postgres and, the hold being still due, the reservation is held again for its owner to retry.
-    expect((await a.app.get(HoldStore).pin('held-again', r.body.id, [chosen], 300)).status).toBe('pinned');
+  /**
+   * A reservation of the 3 items of a new pool, held again: a confirm of its first item pinned it (epoch 1) with a
+   * short window and its instance died; once the window was over, Postgres gave the epoch up while the hold was due.
+   */
+  async function heldAgain(pool: string, from: string, ttlMs: number) {
+    await seedPool(a, pool, numbers(3, from));
+    const r = await a.post(`/v1/pools/${pool}/reservations`, { owner: 'buyer', count: 3, ttlMs });
+    expect((await a.app.get(HoldStore).pin(pool, r.body.id, [ids(r)[0]], 300)).status).toBe('pinned');
     await sleep(400);
-    const pool = await a.app.get(PoolRepository).findByName('held-again');
-    expect(await a.app.get(CommitService).recoverStalled(pool!, r.body.id)).toBe('held');
+    const entity = await a.app.get(PoolRepository).findByName(pool);
+    expect(await a.app.get(CommitService).recoverStalled(entity!, r.body.id)).toBe('held');
     expect((await a.get(`/v1/reservations/${r.body.id}`)).body.state).toBe('held');
+    return r;
+  }
+
+  /** With Postgres down for every sweeper, 2 s after `r`'s expiry, someone else reserves all 3 items of `pool`. */
+  async function allFreeWithoutPostgres(pool: string, r: { body: { expiresAt: string; items: { resourceId: string }[] } }) {
     const spies = [
       vi.spyOn(a.app.get(CommitService), 'recoverStalled').mockImplementation(pgDown),
       vi.spyOn(b.app.get(CommitService), 'recoverStalled').mockImplementation(pgDown),
     ];
     try {
-      // Postgres has ended every epoch of it, so nothing needs to wait for it: all three are free again.
       await untilExpiry(r, 2000);
-      const next = await b.post('/v1/pools/held-again/reservations', { owner: 'next', count: 3 });
+      const next = await b.post(`/v1/pools/${pool}/reservations`, { owner: 'next', count: 3 });
       expect(next.status, JSON.stringify(next.body)).toBe(201);
       expect(ids(next).sort()).toEqual(ids(r).sort());
     } finally {
       for (const spy of spies) spy.mockRestore();
     }
+  }
+
+  it('with Postgres down at expiry, a reservation held again after its commit was given up frees all its items within 2 s', async () => {
+    // Postgres has ended every epoch of it, so nothing needs to wait for it: all three are free again.
+    await allFreeWithoutPostgres('held-again', await heldAgain('held-again', '1383000', 2000));
   });
 
   it('with Postgres down at expiry, a reservation held again by a confirm whose epoch Postgres ended frees all its items within 2 s', async () => {
-    await seedPool(a, 'ended-unpin', numbers(3, '1385000'));
-    const r = await a.post('/v1/pools/ended-unpin/reservations', { owner: 'buyer', count: 3, ttlMs: 2000 });
-    const [chosen] = ids(r);
-    // Epoch 1 given up while the hold is due (as above), so the next confirm opens epoch 2.
-    expect((await a.app.get(HoldStore).pin('ended-unpin', r.body.id, [chosen], 300)).status).toBe('pinned');
-    await sleep(400);
-    const pool = await a.app.get(PoolRepository).findByName('ended-unpin');
-    expect(await a.app.get(CommitService).recoverStalled(pool!, r.body.id)).toBe('held');
-    // Its commit times out; Postgres ends epoch 2 (nothing landed): 503, nothing was changed, held again.
+    const r = await heldAgain('ended-unpin', '1385000', 2000);
+    // The next confirm opens epoch 2; its commit times out, and Postgres ends the epoch (nothing landed): 503,
+    // nothing was changed, held again.
     const timeout = vi
       .spyOn(a.app.get(ResourceRepository), 'allocate')
       .mockImplementation(() => Promise.reject(DomainError.unavailable('postgres', new Error('Query read timeout'))));
     try {
-      const confirm = await a.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [chosen] });
+      const confirm = await a.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [ids(r)[0]] });
       expect(confirm.status).toBe(503);
       expect(confirm.body.error.message).toMatch(/nothing was changed/);
     } finally {
       timeout.mockRestore();
     }
     expect((await a.app.get(HoldStore).read('ended-unpin', r.body.id))?.epoch).toBe(2);
-    const spies = [
-      vi.spyOn(a.app.get(CommitService), 'recoverStalled').mockImplementation(pgDown),
-      vi.spyOn(b.app.get(CommitService), 'recoverStalled').mockImplementation(pgDown),
-    ];
-    try {
-      await untilExpiry(r, 2000);
-      const next = await b.post('/v1/pools/ended-unpin/reservations', { owner: 'next', count: 3 });
-      expect(next.status, JSON.stringify(next.body)).toBe(201);
-      expect(ids(next).sort()).toEqual(ids(r).sort());
-    } finally {
-      for (const spy of spies) spy.mockRestore();
-    }
+    await allFreeWithoutPostgres('ended-unpin', r);
   });
 
   it('with Postgres down at expiry, a held-again reservation extended to a shorter hold frees its items within 2 s of the new expiry', async () => {
-    await seedPool(a, 'held-again-shorter', numbers(3, '1386000'));
-    const r = await a.post('/v1/pools/held-again-shorter/reservations', { owner: 'buyer', count: 3, ttlMs: 6000 });
-    const [chosen] = ids(r);
-    expect((await a.app.get(HoldStore).pin('held-again-shorter', r.body.id, [chosen], 300)).status).toBe('pinned');
-    await sleep(400);
-    const pool = await a.app.get(PoolRepository).findByName('held-again-shorter');
-    expect(await a.app.get(CommitService).recoverStalled(pool!, r.body.id)).toBe('held');
+    const r = await heldAgain('held-again-shorter', '1386000', 6000);
     const extended = await a.post(`/v1/reservations/${r.body.id}/extend`, { ttlMs: 1000 });
     expect(extended.status, JSON.stringify(extended.body)).toBe(200);
-    const spies = [
-      vi.spyOn(a.app.get(CommitService), 'recoverStalled').mockImplementation(pgDown),
-      vi.spyOn(b.app.get(CommitService), 'recoverStalled').mockImplementation(pgDown),
-    ];
-    try {
-      // Well before the first expiry (6 s): the holds follow the new one.
-      await untilExpiry(extended, 2000);
-      const next = await b.post('/v1/pools/held-again-shorter/reservations', { owner: 'next', count: 3 });
-      expect(next.status, JSON.stringify(next.body)).toBe(201);
-    } finally {
-      for (const spy of spies) spy.mockRestore();
-    }
+    // Well before the first expiry (6 s): the holds follow the new one.
+    await allFreeWithoutPostgres('held-again-shorter', extended);
   });
 
   it('with Postgres down, a confirm that arrives in the grace, answered 503, does not keep the items it did not choose', async () => {
