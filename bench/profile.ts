@@ -289,7 +289,8 @@ async function main(): Promise<void> {
       dir,
       readdirSync(dir).find((f) => f.endsWith('.cpuprofile'))!,
     );
-    console.log(`profile: ${file} (the timed run only)\n${summarise(file, 30, { fromUs: (await before).atUs, toUs: after.atUs })}`);
+    const window = { fromUs: (await before).atUs, toUs: after.atUs };
+    console.log(`profile: ${file} (the timed run only: ${window.fromUs}-${window.toUs} µs)\n${summarise(file, 30, window)}`);
   }
   await deleteKeys('redis://127.0.0.1:6379', PREFIX);
   await admin.query(`DROP DATABASE IF EXISTS ${DB} WITH (FORCE)`);
