@@ -42,7 +42,15 @@ for i, item in ipairs(selected) do
   if holders[i] and holders[i] ~= rid then return { 'lost', item.id } end
 end
 
+-- A selected item no longer held proves that the epoch's attempts so far cannot land (a pin holds its items until its
+-- epoch is decided, or until its un-pin found it could not land and gave them back): a pin that must take one back
+-- opens a new epoch, which none of them can end from under it.
+local must_retake = false
+for i = 1, #selected do
+  if holders[i] ~= rid then must_retake = true end
+end
 local opened = r.s ~= 'confirming' or tonumber(r.pw or 0) <= now or r.sel ~= selection or (r.ep or '0') == ended
+  or must_retake
 if opened then r.ep = tostring(tonumber(r.ep or 0) + 1) end
 -- Every pin of the reservation gets the next number ('pn', never reset), so that unpin can tell whether another
 -- pin came after the one whose commit failed, whatever Redis' clock did. A pin of a confirming reservation never
