@@ -113,6 +113,31 @@ describe('expiry of a reservation whose confirm never ended', () => {
     await allFreeWithoutPostgres('ended-unpin', r);
   });
 
+  it('with Postgres down at expiry, once Postgres ended its epochs, an item only an earlier confirm chose is free within 2 s too', async () => {
+    await seedPool(a, 'two-selections', numbers(3, '1387000'));
+    const r = await a.post('/v1/pools/two-selections/reservations', { owner: 'buyer', count: 3, ttlMs: 2500 });
+    const [first, second] = ids(r);
+    const resources = a.app.get(ResourceRepository);
+    const timeout = () => Promise.reject(DomainError.unavailable('postgres', new Error('Query read timeout')));
+    const spies = [
+      vi.spyOn(resources, 'allocate').mockImplementation(timeout),
+      vi.spyOn(resources, 'decideAbort').mockImplementation(timeout),
+    ];
+    try {
+      // A confirm of two items times out, and so does ending its epoch: the outcome is not known, both stay pinned.
+      const unknown = await a.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [first, second] });
+      expect(unknown.body.error.details.outcome).toBe('unknown');
+      // Postgres answers again, but for the commit: a confirm of one item times out, and Postgres ends both epochs.
+      spies.pop()!.mockRestore();
+      const ended = await a.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [first] });
+      expect(ended.body.error.message).toMatch(/nothing was changed/);
+    } finally {
+      for (const spy of spies) spy.mockRestore();
+    }
+    expect((await a.app.get(HoldStore).read('two-selections', r.body.id))?.epoch).toBe(2);
+    await allFreeWithoutPostgres('two-selections', r);
+  });
+
   it('with Postgres down at expiry, a held-again reservation extended to a shorter hold frees its items within 2 s of the new expiry', async () => {
     const r = await heldAgain('held-again-shorter', '1386000', 6000);
     const extended = await a.post(`/v1/reservations/${r.body.id}/extend`, { ttlMs: 1000 });

@@ -33,8 +33,10 @@ if f[1] ~= 'confirming' or f[3] ~= epoch or tonumber(f[4]) ~= tonumber(pin_numbe
 local expires = tonumber(f[2])
 if not restore and not ended then
   if expires > now then
+    -- The sweep looks 1 ms after the holds of the items not chosen end (Redis drops a key only once its time is
+    -- past), so that it finds them gone and frees those items.
     redis.call('HSET', rkey, 's', 'held')
-    redis.call('ZADD', base .. 'exp', expires + grace, rid)
+    redis.call('ZADD', base .. 'exp', expires + grace + 1, rid)
     return 1
   end
   if retaken == '' then return 0 end
@@ -44,7 +46,9 @@ for id in string.gmatch(retaken, '[^,]+') do wanted[id] = true end
 for id in string.gmatch(f[6] or '', '[^,]+') do chosen[id] = true end
 for _, item in ipairs(decode_items(f[5])) do
   local hkey = base .. 'h:' .. item.id
-  if chosen[item.id] and redis.call('GET', hkey) == rid then
+  -- Once every epoch is ended, every hold still its own ends with the hold: an earlier epoch of another selection
+  -- may have pinned items this one did not choose.
+  if (chosen[item.id] or ended) and redis.call('GET', hkey) == rid then
     if wanted[item.id] then
       redis.call('DEL', hkey)
       -- (Unheld before the pin, it may have been allocated meanwhile: then it has no cache entry, and stays out.)
