@@ -4,7 +4,7 @@ import { GenerationRepository } from '../../src/database/generation.repository.j
 import { ResourceRepository } from '../../src/database/resource.repository.js';
 import type { Redis } from 'ioredis';
 import { HoldStore, toCachedItem } from '../../src/redis/hold-store.repository.js';
-import { poolKeys } from '../../src/redis/keys.js';
+import { freeMember, poolKeys } from '../../src/redis/keys.js';
 import { REDIS } from '../../src/redis/redis.client.js';
 import { CommitService } from '../../src/reservations/commit.service.js';
 import { DomainError } from '../../src/common/errors.js';
@@ -164,65 +164,75 @@ describe('commits whose outcome the caller never saw', () => {
 
   it('invariant 4 with Postgres down: the items a confirm answered 503 did not choose are free within 2 s of the expiry', async () => {
     const quick = await world.start({ COMMIT_WINDOW_MS: '1000', RECONCILE_INTERVAL_MS: '0' });
-    await seedPool(quick, 'pg-down-flow', numbers(3, '1391000'));
-    const r = await quick.post('/v1/pools/pg-down-flow/reservations', { owner: 'buyer', count: 3, ttlMs: 1000 });
-    const [chosen, ...others] = r.body.items.map((i: { resourceId: string }) => i.resourceId);
-    // Postgres stops answering: the commit (and its retry) time out, so it may have landed; neither ending its epoch
-    // nor the sweeper's settling of it gets an answer. (A commit that surely never reached Postgres changes nothing
-    // at all: recovery.test.ts.)
-    const down = () => Promise.reject(DomainError.unavailable('postgres', new Error('Query read timeout')));
-    const allocate = vi.spyOn(quick.app.get(ResourceRepository), 'allocate').mockImplementation(down);
-    const decide = vi.spyOn(quick.app.get(ResourceRepository), 'decideAbort').mockImplementation(down);
-    const settle = vi.spyOn(quick.app.get(CommitService), 'recoverStalled').mockImplementation(down);
     try {
-      const confirm = await quick.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [chosen] });
-      expect(confirm.status).toBe(503);
-      expect(confirm.body.error.details.outcome).toBe('unknown');
-      await sleep(Math.max(0, Date.parse(r.body.expiresAt) - Date.now()) + 2000);
-      // The chosen item waits for Postgres (its commit may have landed unseen); the two others need not.
-      const next = await quick.post('/v1/pools/pg-down-flow/reservations', { owner: 'next', count: 2 });
-      expect(next.status, JSON.stringify(next.body)).toBe(201);
-      expect(next.body.items.map((i: { resourceId: string }) => i.resourceId).sort()).toEqual([...others].sort());
-      expect((await quick.post('/v1/pools/pg-down-flow/reservations', { owner: 'third', count: 1 })).status).toBe(409);
+      await seedPool(quick, 'pg-down-flow', numbers(3, '1391000'));
+      const r = await quick.post('/v1/pools/pg-down-flow/reservations', { owner: 'buyer', count: 3, ttlMs: 1000 });
+      const [chosen, ...others] = r.body.items.map((i: { resourceId: string }) => i.resourceId);
+      // Postgres stops answering: the commit (and its retry) time out, so it may have landed; neither ending its epoch
+      // nor the sweeper's settling of it gets an answer. (A commit that surely never reached Postgres changes nothing
+      // at all: recovery.test.ts.)
+      const down = () => Promise.reject(DomainError.unavailable('postgres', new Error('Query read timeout')));
+      const allocate = vi.spyOn(quick.app.get(ResourceRepository), 'allocate').mockImplementation(down);
+      const decide = vi.spyOn(quick.app.get(ResourceRepository), 'decideAbort').mockImplementation(down);
+      const settle = vi.spyOn(quick.app.get(CommitService), 'recoverStalled').mockImplementation(down);
+      try {
+        const confirm = await quick.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [chosen] });
+        expect(confirm.status).toBe(503);
+        expect(confirm.body.error.details.outcome).toBe('unknown');
+        await sleep(Math.max(0, Date.parse(r.body.expiresAt) - Date.now()) + 2000);
+        // The chosen item waits for Postgres (its commit may have landed unseen); the two others need not.
+        const next = await quick.post('/v1/pools/pg-down-flow/reservations', { owner: 'next', count: 2 });
+        expect(next.status, JSON.stringify(next.body)).toBe(201);
+        expect(next.body.items.map((i: { resourceId: string }) => i.resourceId).sort()).toEqual([...others].sort());
+        expect((await quick.post('/v1/pools/pg-down-flow/reservations', { owner: 'third', count: 1 })).status).toBe(409);
+      } finally {
+        allocate.mockRestore();
+        decide.mockRestore();
+        settle.mockRestore();
+      }
+      // Postgres back: the sweeper settles the commit, which never landed, and the chosen item is free too.
+      await eventually(
+        async () => (await quick.post('/v1/pools/pg-down-flow/reservations', { owner: 'third', count: 1 })).status === 201,
+        5000,
+      );
     } finally {
-      allocate.mockRestore();
-      decide.mockRestore();
-      settle.mockRestore();
+      // Its sweeper runs every 100 ms: it must not sweep the pools of the tests after this one.
+      await quick.close();
     }
-    // Postgres back: the sweeper settles the commit, which never landed, and the chosen item is free too.
-    await eventually(
-      async () => (await quick.post('/v1/pools/pg-down-flow/reservations', { owner: 'third', count: 1 })).status === 201,
-      5000,
-    );
   });
 
   it('a confirm inside its hold whose commit outlasted its window (Postgres slow, the sweeper gave it up) commits in a new epoch: 200', async () => {
     const quick = await world.start({ COMMIT_WINDOW_MS: '1000', RECONCILE_INTERVAL_MS: '0' });
-    await seedPool(quick, 'slow-commit', numbers(2, '1392000'));
-    const r = await quick.post('/v1/pools/slow-commit/reservations', { owner: 'buyer', count: 2, ttlMs: 60_000 });
-    const chosen = r.body.items[0].resourceId;
-    const resources = quick.app.get(ResourceRepository);
-    const allocate = resources.allocate.bind(resources);
-    // The first commit reaches Postgres after its window, once the sweeper has decided to give its epoch up.
-    const slow = vi.spyOn(resources, 'allocate').mockImplementationOnce(async (allocation) => {
-      await sleep(1200);
-      await resources.decideAbort(allocation.reservationId, allocation.epoch);
-      return allocate(allocation);
-    });
     try {
-      const confirmed = await quick.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [chosen] });
-      expect(confirmed.status, JSON.stringify(confirmed.body)).toBe(200);
-      expect(slow).toHaveBeenCalledTimes(2);
+      await seedPool(quick, 'slow-commit', numbers(2, '1392000'));
+      const r = await quick.post('/v1/pools/slow-commit/reservations', { owner: 'buyer', count: 2, ttlMs: 60_000 });
+      const chosen = r.body.items[0].resourceId;
+      const resources = quick.app.get(ResourceRepository);
+      const allocate = resources.allocate.bind(resources);
+      // The first commit reaches Postgres after its window, once the sweeper has decided to give its epoch up.
+      const slow = vi.spyOn(resources, 'allocate').mockImplementationOnce(async (allocation) => {
+        await sleep(1200);
+        await resources.decideAbort(allocation.reservationId, allocation.epoch);
+        return allocate(allocation);
+      });
+      try {
+        const confirmed = await quick.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [chosen] });
+        expect(confirmed.status, JSON.stringify(confirmed.body)).toBe(200);
+        expect(slow).toHaveBeenCalledTimes(2);
+      } finally {
+        slow.mockRestore();
+      }
+      expect(await world.query(`SELECT owner, state FROM t_resource WHERE id = $1`, [chosen])).toEqual([{ owner: 'buyer', state: 2 }]);
+      expect(
+        await world.query(`SELECT epoch, decision FROM t_commit_decision WHERE reservation_id = $1 ORDER BY epoch`, [r.body.id]),
+      ).toEqual([
+        { epoch: 1, decision: 'abort' },
+        { epoch: 2, decision: 'commit' },
+      ]);
     } finally {
-      slow.mockRestore();
+      // Its sweeper runs every 100 ms: it must not sweep the pools of the tests after this one.
+      await quick.close();
     }
-    expect(await world.query(`SELECT owner, state FROM t_resource WHERE id = $1`, [chosen])).toEqual([{ owner: 'buyer', state: 2 }]);
-    expect(
-      await world.query(`SELECT epoch, decision FROM t_commit_decision WHERE reservation_id = $1 ORDER BY epoch`, [r.body.id]),
-    ).toEqual([
-      { epoch: 1, decision: 'abort' },
-      { epoch: 2, decision: 'commit' },
-    ]);
   });
 
   it('a confirm that joined a commit keeps it when the other confirm of that commit fails and un-pins', async () => {
@@ -384,7 +394,9 @@ describe('commits whose outcome the caller never saw', () => {
         const aResources = api.app.get(ResourceRepository);
         const allocate = aResources.allocate.bind(aResources);
         const aAllocate = vi.spyOn(aResources, 'allocate').mockImplementation(async (allocation) => (await aGate, allocate(allocation)));
-        const bAllocate = vi.spyOn(b.app.get(ResourceRepository), 'allocate').mockImplementation(() => lost(new Error('Query read timeout')));
+        const bAllocate = vi
+          .spyOn(b.app.get(ResourceRepository), 'allocate')
+          .mockImplementation(() => lost(new Error('Query read timeout')));
         try {
           const first = api.post(path, { resourceIds: [x] });
           await sleep(200);
@@ -465,7 +477,46 @@ describe('commits whose outcome the caller never saw', () => {
       }
     });
 
-    it('one that joined an epoch but had to take its items back (the attempt before was undone) gives them back: the plain 503', async () => {
+    it('one whose pin was sent twice (a Redis timeout) settles as an opener: the plain 503, the reservation held again', async () => {
+      const c = await world.start({ REDIS_TIMEOUT_MS: '300', SWEEP_INTERVAL_MS: '10000', RECONCILE_INTERVAL_MS: '0' });
+      try {
+        await seedPool(c, 'pin-twice', numbers(3, '1396000'));
+        const r = await c.post('/v1/pools/pin-twice/reservations', { owner: 'buyer', count: 3 });
+        const [x] = r.body.items.map((i: { resourceId: string }) => i.resourceId);
+        // The pin's first run opens epoch 1, but its answer comes after the timeout: HoldStore sends it again, and the
+        // second run joins the epoch the first opened. Then the commit times out; Postgres ends the epoch.
+        const redis = c.app.get<Redis>(REDIS) as unknown as Record<string, (...args: unknown[]) => Promise<unknown>>;
+        const pin = redis.rp_pin;
+        // (ioredis calls the command once more on its auto-pipeline: only the first call, the caller's, is delayed.)
+        const late = vi.spyOn(redis, 'rp_pin').mockImplementationOnce(function (this: unknown, ...args: unknown[]) {
+          const answer = pin.apply(this, args);
+          return sleep(400).then(() => answer);
+        });
+        const timedOut = vi
+          .spyOn(c.app.get(ResourceRepository), 'allocate')
+          .mockImplementation(() => lost(new Error('Query read timeout')));
+        let answer;
+        try {
+          answer = await c.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [x] });
+        } finally {
+          late.mockRestore();
+          timedOut.mockRestore();
+        }
+        // Both runs of the pin ran (two pin numbers), in one epoch.
+        const record = poolKeys(world.prefix, 'pin-twice').reservation(r.body.id);
+        expect(await c.app.get<Redis>(REDIS).hmget(record, 'pn', 'ep')).toEqual(['2', '1']);
+        // Nothing else could land epoch 1: Postgres ended it, and the 503 says nothing was changed, truly.
+        expect(answer.status).toBe(503);
+        expect(answer.body.error.message).toMatch(/nothing was changed/);
+        const stored = await c.app.get(HoldStore).read('pin-twice', r.body.id);
+        expect([stored?.state, stored?.epoch]).toEqual(['held', 1]);
+        expect((await c.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [x] })).status).toBe(200);
+      } finally {
+        await c.close();
+      }
+    });
+
+    it('a retry that would join an epoch whose attempt was undone opens a new one, and gives what it took back: the plain 503', async () => {
       await seedPool(api, 'retaken-join', numbers(3, '1395000'));
       const r = await api.post('/v1/pools/retaken-join/reservations', { owner: 'buyer', count: 3, ttlMs: 1000 });
       const [x] = r.body.items.map((i: { resourceId: string }) => i.resourceId);
@@ -475,26 +526,31 @@ describe('commits whose outcome the caller never saw', () => {
       await sleep(400);
       expect(await api.app.get(CommitService).recoverStalled(pool!, r.body.id)).toBe('held');
       await sleep(Math.max(0, Date.parse(r.body.expiresAt) + api.config.HOLD_GRACE_MS + 100 - Date.now()));
-      // Past the expiry, before any sweep (this world's sweeper is slow), and Postgres refuses connections.
+      // Past the expiry, and Postgres refuses connections.
       const resources = api.app.get(ResourceRepository);
       const refused = () => lost(Object.assign(new Error('connect ECONNREFUSED 127.0.0.1:5432'), { code: 'ECONNREFUSED' }));
-      const spies = [vi.spyOn(resources, 'allocate').mockImplementation(refused), vi.spyOn(resources, 'decideAbort').mockImplementation(refused)];
+      const spies = [
+        vi.spyOn(resources, 'allocate').mockImplementation(refused),
+        vi.spyOn(resources, 'decideAbort').mockImplementation(refused),
+      ];
       try {
         // The first confirm opens epoch 2, takes x back, cannot reach Postgres and gives x back (its epoch still open
-        // in Redis); the caller's retry joins that epoch and takes x back again.
+        // in Redis). The caller's retry would join that epoch, but must take x back: nothing can land epoch 2, and
+        // the retry opens epoch 3 (which it can settle on its own), takes x back, and gives it back in turn.
         const path = `/v1/reservations/${r.body.id}/confirm`;
         for (const attempt of [await api.post(path, { resourceIds: [x] }), await api.post(path, { resourceIds: [x] })]) {
           expect(attempt.status).toBe(503);
           expect(attempt.body.error.message).toMatch(/nothing was changed/);
         }
-        expect((await api.app.get(HoldStore).read('retaken-join', r.body.id))?.epoch).toBe(2);
+        expect((await api.app.get(HoldStore).read('retaken-join', r.body.id))?.epoch).toBe(3);
       } finally {
         for (const spy of spies) spy.mockRestore();
       }
-      // Nothing holds x: it is free again, not kept for an epoch nobody can land.
-      const next = await api.post('/v1/pools/retaken-join/reservations', { owner: 'next', count: 1 });
-      expect(next.status, JSON.stringify(next.body)).toBe(201);
-      expect(next.body.items[0].resourceId).toBe(x);
+      // Nothing holds x, and it is in the free index: not kept for an epoch nobody can land.
+      const keys = poolKeys(world.prefix, 'retaken-join');
+      const redis = api.app.get<Redis>(REDIS);
+      expect(await redis.get(keys.hold(x))).toBeNull();
+      expect(await redis.zscore(keys.free, freeMember(r.body.items[0].value, x))).toBe('0');
     });
 
     it('and Postgres cannot be asked either: 503 that says the outcome is not known, unless the commit never left', async () => {
