@@ -1,4 +1,5 @@
 import { Inject, Injectable, Logger, OnApplicationShutdown } from '@nestjs/common';
+import { randomUUID } from 'node:crypto';
 import type { Redis } from 'ioredis';
 import { AppConfig } from '../config/app-config.js';
 import type { ResourceRow } from '../database/resource.repository.js';
@@ -80,8 +81,8 @@ export type ReserveResult =
 
 /**
  * A pin that took: `retaken`, the selected items whose hold had run out, which the pin took back; `opened`, the pin
- * started the epoch rather than joining one; `pinNumber`, its number among the reservation's pins (all for unpin);
- * `resent`, the pin script was sent twice (a Redis timeout): its first run may have opened the epoch it joined.
+ * started the epoch rather than joining one; `pinNumber`, its number among the reservation's pins (all for unpin).
+ * A pin sent twice (a Redis timeout) whose first run opened the epoch reports that run's `opened` and `retaken`.
  */
 export interface Pinned {
   status: 'pinned';
@@ -89,7 +90,6 @@ export interface Pinned {
   retaken: string[];
   opened: boolean;
   pinNumber: number;
-  resent: boolean;
 }
 
 export type PinResult =
@@ -216,14 +216,7 @@ export class HoldStore implements OnApplicationShutdown {
     return this.script<T>(name, pool, args, name !== 'reserve');
   }
 
-  /** `onResend`: called when the script is sent a second time, after a timeout (its first run may have run). */
-  private async script<T>(
-    name: ScriptName,
-    pool: string,
-    args: (string | number)[],
-    retryOnTimeout: boolean,
-    onResend?: () => void,
-  ): Promise<T> {
+  private async script<T>(name: ScriptName, pool: string, args: (string | number)[], retryOnTimeout: boolean): Promise<T> {
     const base = poolBase(this.prefix, pool);
     const call = (this.redis as unknown as Record<string, ScriptCall>)[`rp_${name}`];
     // KEYS[1] (the free index) names the pool's slot (for Redis Cluster routing); the scripts build their keys from
@@ -231,9 +224,8 @@ export class HoldStore implements OnApplicationShutdown {
     const once = () => withTimeout(call.call(this.redis, `${base}free`, base, ...args) as Promise<T>, this.config.REDIS_TIMEOUT_MS);
     try {
       return await once().catch((err: unknown) => {
-        if (!(retryOnTimeout && err instanceof Error && err.message === REDIS_TIMEOUT_MESSAGE)) throw err;
-        onResend?.();
-        return once();
+        if (retryOnTimeout && err instanceof Error && err.message === REDIS_TIMEOUT_MESSAGE) return once();
+        throw err;
       });
     } catch (err) {
       throw isRedisOutage(err) ? DomainError.unavailable('redis', err) : err;
@@ -302,13 +294,18 @@ export class HoldStore implements OnApplicationShutdown {
 
   /** `endedEpoch`: an epoch Postgres has ended; the pin starts a new one rather than join it. */
   async pin(pool: string, reservationId: string, selection: string[], windowMs: number, endedEpoch?: number): Promise<PinResult> {
-    let resent = false;
-    const reply = await this.script<string[]>(
+    // The attempt's token: a second send after a timeout carries the same, and learns whether its first run opened
+    // the epoch (pin.lua).
+    const reply = await this.run<string[]>(
       'pin',
       pool,
-      [reservationId, windowMs, selection.join(','), this.config.HOLD_GRACE_MS, endedEpoch ?? '', this.openRecordMs],
-      true,
-      () => (resent = true),
+      reservationId,
+      windowMs,
+      selection.join(','),
+      this.config.HOLD_GRACE_MS,
+      endedEpoch ?? '',
+      this.openRecordMs,
+      randomUUID(),
     );
     switch (reply[0]) {
       case 'pinned':
@@ -318,7 +315,6 @@ export class HoldStore implements OnApplicationShutdown {
           retaken: reply[13] ? reply[13].split(',') : [],
           opened: reply[14] === '1',
           pinNumber: Number(reply[15]),
-          resent,
         };
       case 'confirmed':
         return { status: 'confirmed', reservation: parseReservation(reply) };

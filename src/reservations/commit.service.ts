@@ -129,10 +129,10 @@ export class CommitService {
       // should a third attempt join its next epoch and fail too, it would answer 409 HOLD_LOST with its hold intact.
       // So the epoch is left to its opener (or the sweeper, at the window's end), Redis as it is, and this answer
       // says what Postgres says now: landed, or not known yet. Unless no other attempt can land it (Postgres has
-      // ended it already: that attempt failed too), or this pin may have opened it (its script was sent twice, and
-      // the first run opened the epoch the second joined); then this attempt settles as an opener does. (A pin that
-      // has to take an item back opens a new epoch: pin.lua.)
-      if (!pin.opened && !pin.resent) {
+      // ended it already: that attempt failed too); then this attempt settles as an opener does. (A pin that has to
+      // take an item back opens a new epoch, and a pin sent twice whose first run opened the epoch reports it opened:
+      // pin.lua.)
+      if (!pin.opened) {
         const other = await this.joinedEpoch(r.id, r.epoch);
         if (other.landed) {
           await this.finishQuietly(pool, r.id, other.landed);

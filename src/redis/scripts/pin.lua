@@ -11,14 +11,16 @@
 -- commit per reservation.
 -- ARGV: 1 base, 2 rid, 3 commit window ms, 4 selection (resource ids, comma separated, sorted), 5 grace ms (see
 --       reserve), 6 an epoch Postgres has ended ("" = none known): never joined, even while its window is open,
---       7 how long an open record lasts at least (see reserve): a pin re-opens an expired one
+--       7 how long an open record lasts at least (see reserve): a pin re-opens an expired one, 8 the attempt's token
+--       (the same in both sends of a pin HoldStore sends again after a Redis timeout)
 -- Returns: {"pinned", rid, state, owner, kind, createdMs, expiresMs, itemsJson, outcomeJson, nowMs, epoch, generation,
 --          pinnedUntil, retaken: the ids of the selected items whose hold had run out, which this pin took back
---          (comma separated), opened: "1" if this pin started the epoch (else it joined one), this pin's number}
+--          (comma separated), opened: "1" if this pin started the epoch (else it joined one), this pin's number;
+--          for the second send of a pin whose first run opened the epoch, retaken and opened are the first run's}
 --          | {"confirmed", ...the same fields up to pinnedUntil} (already committed) | {"missing"} | {"closed"} | {"notin", id}
 --          | {"lost", id}
 local base, rid, window, selection, grace, ended = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4], tonumber(ARGV[5]), ARGV[6]
-local open_record = tonumber(ARGV[7])
+local open_record, token = tonumber(ARGV[7]), ARGV[8]
 local rkey = base .. 'r:' .. rid
 local r = read_reservation(rkey)
 local now = now_ms()
@@ -42,16 +44,25 @@ for i, item in ipairs(selected) do
   if holders[i] and holders[i] ~= rid then return { 'lost', item.id } end
 end
 
--- A selected item no longer held proves that the epoch's attempts so far cannot land (a pin holds its items until its
--- epoch is decided, or until its un-pin found it could not land and gave them back): a pin that must take one back
--- opens a new epoch, which none of them can end from under it.
-local must_retake = false
-for i = 1, #selected do
-  if holders[i] ~= rid then must_retake = true end
+-- A selected item no longer held shows that the epoch's attempts so far cannot land (a pin holds its items until its
+-- epoch is decided, or until its un-pin found it could not land and gave them back; in one Redis history: a failover
+-- that loses writes is DESIGN.md's accepted loss): a pin that must take one back opens a new epoch, which none of
+-- them can end from under it.
+local retaken = {}
+for i, item in ipairs(selected) do
+  if holders[i] ~= rid then retaken[#retaken + 1] = item.id end
 end
 local opened = r.s ~= 'confirming' or tonumber(r.pw or 0) <= now or r.sel ~= selection or (r.ep or '0') == ended
-  or must_retake
-if opened then r.ep = tostring(tonumber(r.ep or 0) + 1) end
+  or #retaken > 0
+-- The epoch's opener is known by its attempt's token ('eo'), and what it took back by 'rt': a pin sent again after a
+-- timeout, whose first run opened the epoch, answers as that run did (it joins its own epoch, and took nothing back).
+local reported_opened, reported_retaken = opened, table.concat(retaken, ',')
+if opened then
+  r.ep = tostring(tonumber(r.ep or 0) + 1)
+else
+  local eo, rt = unpack(redis.call('HMGET', rkey, 'eo', 'rt'))
+  if eo == token then reported_opened, reported_retaken = true, rt or '' end
+end
 -- Every pin of the reservation gets the next number ('pn', never reset), so that unpin can tell whether another
 -- pin came after the one whose commit failed, whatever Redis' clock did. A pin of a confirming reservation never
 -- moves the window's end back (should the clock have gone back).
@@ -59,7 +70,11 @@ local pin_number = tostring((tonumber(r.pn) or 0) + 1)
 local window_end = now + window
 if r.s == 'confirming' and tonumber(r.pw or 0) >= window_end then window_end = tonumber(r.pw) + 1 end
 r.s, r.sel, r.pw = 'confirming', selection, tostring(window_end)
-redis.call('HSET', rkey, 's', r.s, 'sel', r.sel, 'pw', r.pw, 'ep', r.ep or '0', 'pn', pin_number)
+if opened then
+  redis.call('HSET', rkey, 's', r.s, 'sel', r.sel, 'pw', r.pw, 'ep', r.ep, 'pn', pin_number, 'eo', token, 'rt', reported_retaken)
+else
+  redis.call('HSET', rkey, 's', r.s, 'sel', r.sel, 'pw', r.pw, 'ep', r.ep or '0', 'pn', pin_number)
+end
 -- The sweeper looks at it when the window ends, or when the holds of the items not selected run out, if that is
 -- sooner: should this confirm never end (its instance died), those items are free again then (invariant 4), not
 -- a window later. (The sweep leaves the items this reservation still holds alone.)
@@ -73,19 +88,17 @@ redis.call('PEXPIRE', rkey, keep)
 -- therefore last as long as the reservation record: they end when the decision is applied (finish, or
 -- abort), never on their own; an item unheld while its commit is undecided could be put back in the
 -- free index by a rebuild page read before the commit.
-local retaken = {}
 for i, item in ipairs(selected) do
   local hkey = base .. 'h:' .. item.id
   if holders[i] ~= rid then
     -- The hold expired. Nobody else holds the item: take it back (out of the free index if the
     -- sweeper already returned it); the version check in Postgres decides whether it is still ours.
     unindex(base, item)
-    retaken[#retaken + 1] = item.id
   end
   redis.call('SET', hkey, rid, 'PX', keep)
 end
 local reply = reply_of('pinned', rid, r, now)
-reply[#reply + 1] = table.concat(retaken, ',')
-reply[#reply + 1] = opened and '1' or '0'
+reply[#reply + 1] = reported_retaken
+reply[#reply + 1] = reported_opened and '1' or '0'
 reply[#reply + 1] = pin_number
 return reply

@@ -61,13 +61,20 @@ for _, item in ipairs(decode_items(f[5])) do
 end
 index_all(base, back)
 if not restore then
-  if not ended or expires <= now then return 0 end
+  if not ended then return 0 end
+  if expires <= now then
+    -- Past its expiry: left to the sweeper (due once the holds have ended), with the window closed, so that no confirm
+    -- joins the ended epoch (one that comes opens a new one).
+    redis.call('HSET', rkey, 'ad', epoch, 'pw', tostring(now))
+    redis.call('ZADD', base .. 'exp', math.max(now, expires + grace + 1), rid)
+    return 0
+  end
   -- Held again; the sweep looks 1 ms after the holds end (Redis drops a key only once its time is past).
   redis.call('HSET', rkey, 's', 'held', 'ad', epoch)
   redis.call('ZADD', base .. 'exp', expires + grace + 1, rid)
   return 1
 end
 redis.call('HSET', rkey, 's', 'held')
-redis.call('HDEL', rkey, 'ep', 'sel', 'pw', 'ad')
+redis.call('HDEL', rkey, 'ep', 'sel', 'pw', 'ad', 'eo', 'rt')
 redis.call('ZADD', base .. 'exp', expires + grace, rid)
 return 1
