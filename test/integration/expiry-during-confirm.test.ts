@@ -138,6 +138,24 @@ describe('expiry of a reservation whose confirm never ended', () => {
     await allFreeWithoutPostgres('two-selections', r);
   });
 
+  it('a confirm whose epoch Postgres ended after the expiry closes it: a retry in the grace opens a new epoch, not that one', async () => {
+    const r = await heldAgain('ended-late', '1388000', 1000);
+    await untilExpiry(r, 100);
+    const timeout = vi
+      .spyOn(a.app.get(ResourceRepository), 'allocate')
+      .mockImplementation(() => Promise.reject(DomainError.unavailable('postgres', new Error('Query read timeout'))));
+    try {
+      // In the grace: epoch 2 opens, its commit times out, and Postgres ends it: 503, nothing was changed.
+      const confirm = await a.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [ids(r)[0]] });
+      expect(confirm.body.error.message).toMatch(/nothing was changed/);
+    } finally {
+      timeout.mockRestore();
+    }
+    const retry = await a.app.get(HoldStore).pin('ended-late', r.body.id, [ids(r)[0]], a.config.COMMIT_WINDOW_MS);
+    expect(retry.status).toBe('pinned');
+    expect(retry.status === 'pinned' && [retry.opened, retry.reservation.epoch]).toEqual([true, 3]);
+  });
+
   it('with Postgres down at expiry, a held-again reservation extended to a shorter hold frees its items within 2 s of the new expiry', async () => {
     const r = await heldAgain('held-again-shorter', '1386000', 6000);
     const extended = await a.post(`/v1/reservations/${r.body.id}/extend`, { ttlMs: 1000 });

@@ -379,55 +379,73 @@ describe('commits whose outcome the caller never saw', () => {
       }
     });
 
-    it('one that joined the epoch of an attempt still committing leaves that epoch alone: 503 outcome unknown, and the first attempt commits', async () => {
-      // The reverse of the case above: a's commit is slow, the payment system's retry reaches b, joins a's epoch, and
-      // b's call gets no answer. Were b to end the epoch, a would have to commit again in a new one, and a third
-      // attempt that joined that one and failed the same way would turn a into 409 HOLD_LOST, its hold intact.
-      const b = await world.start({ SWEEP_INTERVAL_MS: '10000', RECONCILE_INTERVAL_MS: '0' });
-      try {
-        await seedPool(api, 'joiner-fails', numbers(3, '1393000'));
-        const r = await api.post('/v1/pools/joiner-fails/reservations', { owner: 'buyer', count: 3 });
-        const [x] = r.body.items.map((i: { resourceId: string }) => i.resourceId);
-        const path = `/v1/reservations/${r.body.id}/confirm`;
-        let unblockA!: () => void;
-        const aGate = new Promise<void>((resolve) => (unblockA = resolve));
-        const aResources = api.app.get(ResourceRepository);
-        const allocate = aResources.allocate.bind(aResources);
-        const aAllocate = vi.spyOn(aResources, 'allocate').mockImplementation(async (allocation) => (await aGate, allocate(allocation)));
-        const bAllocate = vi
-          .spyOn(b.app.get(ResourceRepository), 'allocate')
-          .mockImplementation(() => lost(new Error('Query read timeout')));
+    for (const [pool, pinSentTwice, from] of [
+      ['joiner-fails', false, '1393000'],
+      ['joiner-fails-twice', true, '1397000'],
+    ] as const) {
+      it(`one that joined the epoch of an attempt still committing leaves that epoch alone: 503 outcome unknown, and the first attempt commits${pinSentTwice ? ' (its pin sent twice, both runs joining)' : ''}`, async () => {
+        // The reverse of the case above: a's commit is slow, the payment system's retry reaches b, joins a's epoch, and
+        // b's call gets no answer. Were b to end the epoch, a would have to commit again in a new one, and a third
+        // attempt that joined that one and failed the same way would turn a into 409 HOLD_LOST, its hold intact.
+        const b = await world.start({
+          SWEEP_INTERVAL_MS: '10000',
+          RECONCILE_INTERVAL_MS: '0',
+          REDIS_TIMEOUT_MS: pinSentTwice ? '300' : '2000',
+        });
         try {
-          const first = api.post(path, { resourceIds: [x] });
-          await sleep(200);
-          const second = await b.post(path, { resourceIds: [x] });
-          expect(second.status).toBe(503);
-          expect(second.body.error.details).toMatchObject({ dependency: 'postgres', outcome: 'unknown' });
-          expect(second.body.error.message).toMatch(/another attempt of this confirm/);
-          // Nothing ended epoch 1, and Redis still has it pinned for a.
-          expect(await world.query(`SELECT epoch, decision FROM t_commit_decision WHERE reservation_id = $1`, [r.body.id])).toEqual([]);
-          const stored = await b.app.get(HoldStore).read('joiner-fails', r.body.id);
-          expect([stored?.state, stored?.epoch]).toEqual(['confirming', 1]);
-          unblockA();
-          const answerA = await first;
-          expect(answerA.status, JSON.stringify(answerA.body)).toBe(200);
-          const decisions = await world.query(`SELECT epoch, decision FROM t_commit_decision WHERE reservation_id = $1`, [r.body.id]);
-          expect(decisions).toEqual([{ epoch: 1, decision: 'commit' }]);
-          bAllocate.mockRestore();
-          // The payment system sends it once more: the same answer.
-          const again = await b.post(path, { resourceIds: [x] });
-          expect(again.status).toBe(200);
-          expect(again.body).toEqual(answerA.body);
+          if (pinSentTwice) {
+            // b's pin answers after its timeout, and is sent again: neither run opened the epoch.
+            const redis = b.app.get<Redis>(REDIS) as unknown as Record<string, (...args: unknown[]) => Promise<unknown>>;
+            const pin = redis.rp_pin;
+            vi.spyOn(redis, 'rp_pin').mockImplementationOnce(function (this: unknown, ...args: unknown[]) {
+              const answer = pin.apply(this, args);
+              return sleep(400).then(() => answer);
+            });
+          }
+          await seedPool(api, pool, numbers(3, from));
+          const r = await api.post(`/v1/pools/${pool}/reservations`, { owner: 'buyer', count: 3 });
+          const [x] = r.body.items.map((i: { resourceId: string }) => i.resourceId);
+          const path = `/v1/reservations/${r.body.id}/confirm`;
+          let unblockA!: () => void;
+          const aGate = new Promise<void>((resolve) => (unblockA = resolve));
+          const aResources = api.app.get(ResourceRepository);
+          const allocate = aResources.allocate.bind(aResources);
+          const aAllocate = vi.spyOn(aResources, 'allocate').mockImplementation(async (allocation) => (await aGate, allocate(allocation)));
+          const bAllocate = vi
+            .spyOn(b.app.get(ResourceRepository), 'allocate')
+            .mockImplementation(() => lost(new Error('Query read timeout')));
+          try {
+            const first = api.post(path, { resourceIds: [x] });
+            await sleep(200);
+            const second = await b.post(path, { resourceIds: [x] });
+            expect(second.status).toBe(503);
+            expect(second.body.error.details).toMatchObject({ dependency: 'postgres', outcome: 'unknown' });
+            expect(second.body.error.message).toMatch(/another attempt of this confirm/);
+            // Nothing ended epoch 1, and Redis still has it pinned for a.
+            expect(await world.query(`SELECT epoch, decision FROM t_commit_decision WHERE reservation_id = $1`, [r.body.id])).toEqual([]);
+            const stored = await b.app.get(HoldStore).read(pool, r.body.id);
+            expect([stored?.state, stored?.epoch]).toEqual(['confirming', 1]);
+            unblockA();
+            const answerA = await first;
+            expect(answerA.status, JSON.stringify(answerA.body)).toBe(200);
+            const decisions = await world.query(`SELECT epoch, decision FROM t_commit_decision WHERE reservation_id = $1`, [r.body.id]);
+            expect(decisions).toEqual([{ epoch: 1, decision: 'commit' }]);
+            bAllocate.mockRestore();
+            // The payment system sends it once more: the same answer.
+            const again = await b.post(path, { resourceIds: [x] });
+            expect(again.status).toBe(200);
+            expect(again.body).toEqual(answerA.body);
+          } finally {
+            unblockA();
+            aAllocate.mockRestore();
+            bAllocate.mockRestore();
+          }
+          expect(await api.stats(pool)).toEqual({ total: 3, free: 2, held: 0, allocated: 1 });
         } finally {
-          unblockA();
-          aAllocate.mockRestore();
-          bAllocate.mockRestore();
+          await b.close();
         }
-        expect(await api.stats('joiner-fails')).toEqual({ total: 3, free: 2, held: 0, allocated: 1 });
-      } finally {
-        await b.close();
-      }
-    });
+      });
+    }
 
     it('one that joined an epoch its opener failed and ended settles as the opener would: the plain 503, the reservation held again', async () => {
       const b = await world.start({ SWEEP_INTERVAL_MS: '10000', RECONCILE_INTERVAL_MS: '0' });
@@ -477,7 +495,7 @@ describe('commits whose outcome the caller never saw', () => {
       }
     });
 
-    it('one whose pin was sent twice (a Redis timeout) settles as an opener: the plain 503, the reservation held again', async () => {
+    it('one whose pin was sent twice (a Redis timeout) after its first run opened the epoch settles as the opener: the plain 503, Redis put back', async () => {
       const c = await world.start({ REDIS_TIMEOUT_MS: '300', SWEEP_INTERVAL_MS: '10000', RECONCILE_INTERVAL_MS: '0' });
       try {
         await seedPool(c, 'pin-twice', numbers(3, '1396000'));
@@ -502,14 +520,15 @@ describe('commits whose outcome the caller never saw', () => {
           late.mockRestore();
           timedOut.mockRestore();
         }
-        // Both runs of the pin ran (two pin numbers), in one epoch.
+        // Both runs of the pin ran (two pin numbers).
         const record = poolKeys(world.prefix, 'pin-twice').reservation(r.body.id);
-        expect(await c.app.get<Redis>(REDIS).hmget(record, 'pn', 'ep')).toEqual(['2', '1']);
-        // Nothing else could land epoch 1: Postgres ended it, and the 503 says nothing was changed, truly.
+        expect(await c.app.get<Redis>(REDIS).hget(record, 'pn')).toBe('2');
+        // The second run knows the first opened the epoch (the attempt's token): it settles as the opener, and, as
+        // one that opened the first epoch, puts Redis back as it was (no epoch).
         expect(answer.status).toBe(503);
         expect(answer.body.error.message).toMatch(/nothing was changed/);
         const stored = await c.app.get(HoldStore).read('pin-twice', r.body.id);
-        expect([stored?.state, stored?.epoch]).toEqual(['held', 1]);
+        expect([stored?.state, stored?.epoch]).toEqual(['held', 0]);
         expect((await c.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [x] })).status).toBe(200);
       } finally {
         await c.close();
