@@ -24,7 +24,9 @@
 -- sel confirmed selection (sorted ids, comma separated), cnt "1" while its items count in oh/og,
 -- ep the commit epoch: incremented by each pin that starts a commit (Postgres records who ended each epoch), pn the
 -- number of pins so far (never reset; unpin acts only for the last pin), ad the last epoch Postgres is known to have
--- ended while the hold was due (abort's "held again", unpin): its holds are plain ones again (see extend),
+-- ended while the hold was due (abort's "held again", unpin): its holds are plain ones again (see extend), eo the
+-- attempt token of the pin that opened the current epoch and rt the ids it took back (a pin sent twice answers as its
+-- first run did),
 -- g the Redis generation the holds were taken in (a commit lands only in that generation).
 
 local function tombstone(version)
