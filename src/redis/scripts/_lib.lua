@@ -25,8 +25,8 @@
 -- ep the commit epoch: incremented by each pin that starts a commit (Postgres records who ended each epoch), pn the
 -- number of pins so far (never reset; unpin acts only for the last pin), ad the last epoch Postgres is known to have
 -- ended while the hold was due (abort's "held again", unpin): its holds are plain ones again (see extend), eo the
--- attempt token of the pin that opened the current epoch and rt the ids it took back (a pin sent twice answers as its
--- first run did),
+-- attempt token of the pin that opened the current epoch, rt the ids it took back and op its number (a pin sent twice
+-- answers as its first run did),
 -- g the Redis generation the holds were taken in (a commit lands only in that generation).
 
 local function tombstone(version)

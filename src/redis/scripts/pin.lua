@@ -54,24 +54,30 @@ for i, item in ipairs(selected) do
 end
 local opened = r.s ~= 'confirming' or tonumber(r.pw or 0) <= now or r.sel ~= selection or (r.ep or '0') == ended
   or #retaken > 0
--- The epoch's opener is known by its attempt's token ('eo'), and what it took back by 'rt': a pin sent again after a
--- timeout, whose first run opened the epoch, answers as that run did (it joins its own epoch, and took nothing back).
+-- Every pin of the reservation gets the next number ('pn', never reset), so that unpin can tell whether another
+-- pin came after the one whose commit failed, whatever Redis' clock did.
+-- The epoch's opener is known by its attempt's token ('eo'), what it took back by 'rt' and its number by 'op': a pin
+-- sent again after a timeout, whose first run opened the epoch, answers as that run did (it joins its own epoch and
+-- takes nothing back), with that run's number, taking none of its own: unpin then acts for it only if no other pin
+-- came after its first run, as for a pin sent once.
 local reported_opened, reported_retaken = opened, table.concat(retaken, ',')
+local pin_number, resent = nil, false
 if opened then
   r.ep = tostring(tonumber(r.ep or 0) + 1)
 else
-  local eo, rt = unpack(redis.call('HMGET', rkey, 'eo', 'rt'))
-  if eo == token then reported_opened, reported_retaken = true, rt or '' end
+  local eo, rt, op = unpack(redis.call('HMGET', rkey, 'eo', 'rt', 'op'))
+  if eo == token and op then reported_opened, reported_retaken, pin_number, resent = true, rt or '', op, true end
 end
--- Every pin of the reservation gets the next number ('pn', never reset), so that unpin can tell whether another
--- pin came after the one whose commit failed, whatever Redis' clock did. A pin of a confirming reservation never
--- moves the window's end back (should the clock have gone back).
-local pin_number = tostring((tonumber(r.pn) or 0) + 1)
+pin_number = pin_number or tostring((tonumber(r.pn) or 0) + 1)
+-- A pin of a confirming reservation never moves the window's end back (should the clock have gone back).
 local window_end = now + window
 if r.s == 'confirming' and tonumber(r.pw or 0) >= window_end then window_end = tonumber(r.pw) + 1 end
 r.s, r.sel, r.pw = 'confirming', selection, tostring(window_end)
 if opened then
-  redis.call('HSET', rkey, 's', r.s, 'sel', r.sel, 'pw', r.pw, 'ep', r.ep, 'pn', pin_number, 'eo', token, 'rt', reported_retaken)
+  redis.call('HSET', rkey, 's', r.s, 'sel', r.sel, 'pw', r.pw, 'ep', r.ep, 'pn', pin_number, 'eo', token, 'rt', reported_retaken,
+    'op', pin_number)
+elseif resent then
+  redis.call('HSET', rkey, 's', r.s, 'sel', r.sel, 'pw', r.pw)
 else
   redis.call('HSET', rkey, 's', r.s, 'sel', r.sel, 'pw', r.pw, 'ep', r.ep or '0', 'pn', pin_number)
 end
