@@ -10,6 +10,24 @@ import { CommitService } from '../../src/reservations/commit.service.js';
 import { DomainError } from '../../src/common/errors.js';
 import { TestInstance, TestWorld, eventually, numbers, seedPool, sleep, stalledConfirm, staleReadAt } from '../support/harness.js';
 
+/**
+ * Makes the instance's next pin answer 400 ms late, after its Redis timeout (start it with REDIS_TIMEOUT_MS below
+ * that): HoldStore then sends the pin again. Returns how many times the pin was sent so far. (ioredis calls the
+ * command once more on its auto-pipeline: only the caller's calls are counted and delayed.)
+ */
+function pinAnsweredLate(instance: TestInstance): () => number {
+  const redis = instance.app.get<Redis>(REDIS) as unknown as Record<string, (...args: unknown[]) => Promise<unknown>>;
+  const pin = redis.rp_pin;
+  let sends = 0;
+  vi.spyOn(redis, 'rp_pin').mockImplementation(function (this: unknown, ...args: unknown[]) {
+    if (this !== redis) return pin.apply(this, args);
+    sends++;
+    const answer = pin.apply(this, args);
+    return sends === 1 ? sleep(400).then(() => answer) : answer;
+  });
+  return () => sends;
+}
+
 // Invariants 1 and 3 when a commit landed in Postgres but its caller never saw the answer (the instance
 // died after the commit, or the connection dropped): its items stay out of the pool until Postgres'
 // decision is applied. A slow sweeper (10 s) leaves the tests the gap in which things used to go wrong.
@@ -393,15 +411,8 @@ describe('commits whose outcome the caller never saw', () => {
           REDIS_TIMEOUT_MS: pinSentTwice ? '300' : '2000',
         });
         try {
-          if (pinSentTwice) {
-            // b's pin answers after its timeout, and is sent again: neither run opened the epoch.
-            const redis = b.app.get<Redis>(REDIS) as unknown as Record<string, (...args: unknown[]) => Promise<unknown>>;
-            const pin = redis.rp_pin;
-            vi.spyOn(redis, 'rp_pin').mockImplementationOnce(function (this: unknown, ...args: unknown[]) {
-              const answer = pin.apply(this, args);
-              return sleep(400).then(() => answer);
-            });
-          }
+          // With pinSentTwice, b's pin answers after its timeout and is sent again: neither run opened the epoch.
+          const pinSends = pinSentTwice ? pinAnsweredLate(b) : () => 1;
           await seedPool(api, pool, numbers(3, from));
           const r = await api.post(`/v1/pools/${pool}/reservations`, { owner: 'buyer', count: 3 });
           const [x] = r.body.items.map((i: { resourceId: string }) => i.resourceId);
@@ -418,6 +429,7 @@ describe('commits whose outcome the caller never saw', () => {
             const first = api.post(path, { resourceIds: [x] });
             await sleep(200);
             const second = await b.post(path, { resourceIds: [x] });
+            expect(pinSends()).toBe(pinSentTwice ? 2 : 1);
             expect(second.status).toBe(503);
             expect(second.body.error.details).toMatchObject({ dependency: 'postgres', outcome: 'unknown' });
             expect(second.body.error.message).toMatch(/another attempt of this confirm/);
@@ -503,13 +515,7 @@ describe('commits whose outcome the caller never saw', () => {
         const [x] = r.body.items.map((i: { resourceId: string }) => i.resourceId);
         // The pin's first run opens epoch 1, but its answer comes after the timeout: HoldStore sends it again, and the
         // second run joins the epoch the first opened. Then the commit times out; Postgres ends the epoch.
-        const redis = c.app.get<Redis>(REDIS) as unknown as Record<string, (...args: unknown[]) => Promise<unknown>>;
-        const pin = redis.rp_pin;
-        // (ioredis calls the command once more on its auto-pipeline: only the first call, the caller's, is delayed.)
-        const late = vi.spyOn(redis, 'rp_pin').mockImplementationOnce(function (this: unknown, ...args: unknown[]) {
-          const answer = pin.apply(this, args);
-          return sleep(400).then(() => answer);
-        });
+        const pinSends = pinAnsweredLate(c);
         const timedOut = vi
           .spyOn(c.app.get(ResourceRepository), 'allocate')
           .mockImplementation(() => lost(new Error('Query read timeout')));
@@ -517,12 +523,10 @@ describe('commits whose outcome the caller never saw', () => {
         try {
           answer = await c.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [x] });
         } finally {
-          late.mockRestore();
+          vi.restoreAllMocks();
           timedOut.mockRestore();
         }
-        // Both runs of the pin ran (two pin numbers).
-        const record = poolKeys(world.prefix, 'pin-twice').reservation(r.body.id);
-        expect(await c.app.get<Redis>(REDIS).hget(record, 'pn')).toBe('2');
+        expect(pinSends()).toBe(2);
         // The second run knows the first opened the epoch (the attempt's token): it settles as the opener, and, as
         // one that opened the first epoch, puts Redis back as it was (no epoch).
         expect(answer.status).toBe(503);
@@ -532,6 +536,51 @@ describe('commits whose outcome the caller never saw', () => {
         expect((await c.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [x] })).status).toBe(200);
       } finally {
         await c.close();
+      }
+    });
+
+    it('one whose pin was sent twice, another confirm of it pinning between the two runs, leaves Redis to that one', async () => {
+      // c's pin opens epoch 1 and answers late; b's (the payment system's retry) joins epoch 1 before c's second run.
+      // c's commit cannot reach Postgres, nor can c end the epoch: c must not put Redis back under b's commit.
+      const c = await world.start({ REDIS_TIMEOUT_MS: '300', SWEEP_INTERVAL_MS: '10000', RECONCILE_INTERVAL_MS: '0' });
+      const b = await world.start({ SWEEP_INTERVAL_MS: '10000', RECONCILE_INTERVAL_MS: '0' });
+      try {
+        await seedPool(c, 'pin-twice-between', numbers(3, '1398000'));
+        const r = await c.post('/v1/pools/pin-twice-between/reservations', { owner: 'buyer', count: 3 });
+        const [x] = r.body.items.map((i: { resourceId: string }) => i.resourceId);
+        const path = `/v1/reservations/${r.body.id}/confirm`;
+        const pinSends = pinAnsweredLate(c);
+        const refused = () => lost(Object.assign(new Error('connect ECONNREFUSED 127.0.0.1:5432'), { code: 'ECONNREFUSED' }));
+        vi.spyOn(c.app.get(ResourceRepository), 'allocate').mockImplementation(refused);
+        vi.spyOn(c.app.get(ResourceRepository), 'decideAbort').mockImplementation(refused);
+        let cAnswered!: () => void;
+        const cDone = new Promise<void>((resolve) => (cAnswered = resolve));
+        const bResources = b.app.get(ResourceRepository);
+        const allocate = bResources.allocate.bind(bResources);
+        vi.spyOn(bResources, 'allocate').mockImplementation(async (allocation) => (await cDone, allocate(allocation)));
+        let answerB;
+        try {
+          const first = c.post(path, { resourceIds: [x] });
+          await sleep(100);
+          const second = b.post(path, { resourceIds: [x] });
+          const answerC = await first;
+          expect(pinSends()).toBe(2);
+          expect(answerC.status).toBe(503);
+          // b's pin came after c's first run: Redis is still b's epoch 1, x still held.
+          const stored = await b.app.get(HoldStore).read('pin-twice-between', r.body.id);
+          expect([stored?.state, stored?.epoch]).toEqual(['confirming', 1]);
+          expect(await b.app.get<Redis>(REDIS).get(poolKeys(world.prefix, 'pin-twice-between').hold(x))).toBe(r.body.id);
+          cAnswered();
+          answerB = await second;
+        } finally {
+          cAnswered();
+          vi.restoreAllMocks();
+        }
+        expect(answerB.status, JSON.stringify(answerB.body)).toBe(200);
+        expect(await c.stats('pin-twice-between')).toEqual({ total: 3, free: 2, held: 0, allocated: 1 });
+      } finally {
+        await c.close();
+        await b.close();
       }
     });
 
