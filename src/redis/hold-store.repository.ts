@@ -82,7 +82,8 @@ export type ReserveResult =
 /**
  * A pin that took: `retaken`, the selected items whose hold had run out, which the pin took back; `opened`, the pin
  * started the epoch rather than joining one; `pinNumber`, its number among the reservation's pins (all for unpin).
- * A pin sent twice (a Redis timeout) whose first run opened the epoch reports that run's `opened` and `retaken`.
+ * A pin sent twice (a Redis timeout) whose first run opened the epoch reports that run's `opened`, `retaken` and
+ * `pinNumber` (the second run takes no number of its own).
  */
 export interface Pinned {
   status: 'pinned';

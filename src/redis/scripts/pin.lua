@@ -16,7 +16,8 @@
 -- Returns: {"pinned", rid, state, owner, kind, createdMs, expiresMs, itemsJson, outcomeJson, nowMs, epoch, generation,
 --          pinnedUntil, retaken: the ids of the selected items whose hold had run out, which this pin took back
 --          (comma separated), opened: "1" if this pin started the epoch (else it joined one), this pin's number;
---          for the second send of a pin whose first run opened the epoch, retaken and opened are the first run's}
+--          for the second send of a pin whose first run opened the epoch, retaken, opened and the number are the first
+--          run's (the second takes no number of its own)}
 --          | {"confirmed", ...the same fields up to pinnedUntil} (already committed) | {"missing"} | {"closed"} | {"notin", id}
 --          | {"lost", id}
 local base, rid, window, selection, grace, ended = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4], tonumber(ARGV[5]), ARGV[6]
