@@ -134,10 +134,7 @@ export class CommitService {
       // pin.lua.)
       if (!pin.opened) {
         const other = await this.joinedEpoch(r.id, r.epoch);
-        if (other.landed) {
-          await this.finishQuietly(pool, r.id, other.landed);
-          return sameSelection(other.landed, selection);
-        }
+        if (other.landed) return this.answerLanded(pool, r.id, other.landed, selection);
         if (!other.ended) {
           if (!(err instanceof DomainError && err.code === ErrorCode.DEPENDENCY_UNAVAILABLE)) throw err;
           throw outcomeUnknown(err, 'another attempt of this confirm, which this one joined, may still commit it');
@@ -151,8 +148,7 @@ export class CommitService {
         () => null,
       );
       if (settled?.landed) {
-        await this.finishQuietly(pool, r.id, settled.landed);
-        return sameSelection(settled.landed, selection);
+        return this.answerLanded(pool, r.id, settled.landed, selection);
       }
       // Held again until its expiry, so the caller's retry can still succeed (in a new epoch). Should the commit
       // have landed unseen after all, the sweeper finds its decision row at expiry and finishes it. If this attempt
@@ -170,8 +166,7 @@ export class CommitService {
     // Someone ended this reservation's commit first: the same confirm on another instance, or the sweeper.
     const committed = await this.landedCommit(r.id);
     if (committed) {
-      await this.finishQuietly(pool, r.id, committed);
-      return sameSelection(committed, selection);
+      return this.answerLanded(pool, r.id, committed, selection);
     }
     if (result === 'decided') {
       // Postgres ended this epoch before the commit got there, and nothing landed: the commit outlasted its window
@@ -191,8 +186,7 @@ export class CommitService {
     // An earlier commit epoch of this reservation may have landed after all (its caller had given up on it).
     const landed = await this.endEpochs(r.id, r.epoch);
     if (landed) {
-      await this.finishQuietly(pool, r.id, landed);
-      return sameSelection(landed, selection);
+      return this.answerLanded(pool, r.id, landed, selection);
     }
     await this.abortWithTruth(pool, r);
     const rows = await this.resources.findMany(pool.id, selection);
@@ -204,6 +198,12 @@ export class CommitService {
       generation: { held: r.generation, current: generation },
     });
     throw err;
+  }
+
+  /** A commit Postgres has for the reservation: its Redis step sent (see finishQuietly), and the answer for `selection`. */
+  private async answerLanded(pool: PoolEntity, reservationId: string, landed: CommitOutcome, selection: string[]): Promise<CommitOutcome> {
+    await this.finishQuietly(pool, reservationId, landed);
+    return sameSelection(landed, selection);
   }
 
   /**
