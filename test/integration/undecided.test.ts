@@ -10,6 +10,13 @@ import { CommitService } from '../../src/reservations/commit.service.js';
 import { DomainError } from '../../src/common/errors.js';
 import { TestInstance, TestWorld, eventually, numbers, seedPool, sleep, stalledConfirm, staleReadAt } from '../support/harness.js';
 
+/** A promise the test resolves when it chooses: `open()` lets whatever awaits `opened` go on. */
+function gate(): { opened: Promise<void>; open: () => void } {
+  let open!: () => void;
+  const opened = new Promise<void>((resolve) => (open = resolve));
+  return { opened, open };
+}
+
 /**
  * Makes the instance's next pin answer 400 ms late, after its Redis timeout (start it with REDIS_TIMEOUT_MS below
  * that): HoldStore then sends the pin again. Returns how many times the pin was sent so far. (ioredis calls the
@@ -362,17 +369,17 @@ describe('commits whose outcome the caller never saw', () => {
         const r = await api.post('/v1/pools/joined-then-ended/reservations', { owner: 'buyer', count: 3 });
         const [x] = r.body.items.map((i: { resourceId: string }) => i.resourceId);
         const path = `/v1/reservations/${r.body.id}/confirm`;
-        let unblockA!: () => void;
-        const aGate = new Promise<void>((resolve) => (unblockA = resolve));
+        const aGate = gate();
         const aAllocate = vi.spyOn(api.app.get(ResourceRepository), 'allocate').mockImplementation(async () => {
-          await aGate;
+          await aGate.opened;
           return lost(new Error('Query read timeout'));
         });
-        let aAnswered!: () => void;
-        const aDone = new Promise<void>((resolve) => (aAnswered = resolve));
+        const aDone = gate();
         const bResources = b.app.get(ResourceRepository);
         const allocate = bResources.allocate.bind(bResources);
-        const bAllocate = vi.spyOn(bResources, 'allocate').mockImplementation(async (allocation) => (await aDone, allocate(allocation)));
+        const bAllocate = vi
+          .spyOn(bResources, 'allocate')
+          .mockImplementation(async (allocation) => (await aDone.opened, allocate(allocation)));
         try {
           const first = api.post(path, { resourceIds: [x] });
           await sleep(200);
@@ -380,9 +387,9 @@ describe('commits whose outcome the caller never saw', () => {
           await sleep(200);
           const stored = await b.app.get(HoldStore).read('joined-then-ended', r.body.id);
           expect([stored?.state, stored?.epoch]).toEqual(['confirming', 1]); // b joined epoch 1
-          unblockA();
+          aGate.open();
           const answerA = await first;
-          aAnswered();
+          aDone.open();
           const answerB = await second;
           expect(answerA.status).toBe(503); // and true: Postgres ended epoch 1 before anything landed in it
           // b's confirm arrived long before expiresAt, its hold intact: API.md says it succeeds.
@@ -417,11 +424,12 @@ describe('commits whose outcome the caller never saw', () => {
           const r = await api.post(`/v1/pools/${pool}/reservations`, { owner: 'buyer', count: 3 });
           const [x] = r.body.items.map((i: { resourceId: string }) => i.resourceId);
           const path = `/v1/reservations/${r.body.id}/confirm`;
-          let unblockA!: () => void;
-          const aGate = new Promise<void>((resolve) => (unblockA = resolve));
+          const aGate = gate();
           const aResources = api.app.get(ResourceRepository);
           const allocate = aResources.allocate.bind(aResources);
-          const aAllocate = vi.spyOn(aResources, 'allocate').mockImplementation(async (allocation) => (await aGate, allocate(allocation)));
+          const aAllocate = vi
+            .spyOn(aResources, 'allocate')
+            .mockImplementation(async (allocation) => (await aGate.opened, allocate(allocation)));
           const bAllocate = vi
             .spyOn(b.app.get(ResourceRepository), 'allocate')
             .mockImplementation(() => lost(new Error('Query read timeout')));
@@ -437,7 +445,7 @@ describe('commits whose outcome the caller never saw', () => {
             expect(await world.query(`SELECT epoch, decision FROM t_commit_decision WHERE reservation_id = $1`, [r.body.id])).toEqual([]);
             const stored = await b.app.get(HoldStore).read(pool, r.body.id);
             expect([stored?.state, stored?.epoch]).toEqual(['confirming', 1]);
-            unblockA();
+            aGate.open();
             const answerA = await first;
             expect(answerA.status, JSON.stringify(answerA.body)).toBe(200);
             const decisions = await world.query(`SELECT epoch, decision FROM t_commit_decision WHERE reservation_id = $1`, [r.body.id]);
@@ -448,7 +456,7 @@ describe('commits whose outcome the caller never saw', () => {
             expect(again.status).toBe(200);
             expect(again.body).toEqual(answerA.body);
           } finally {
-            unblockA();
+            aGate.open();
             aAllocate.mockRestore();
             bAllocate.mockRestore();
           }
@@ -466,16 +474,14 @@ describe('commits whose outcome the caller never saw', () => {
         const r = await api.post('/v1/pools/both-fail/reservations', { owner: 'buyer', count: 3 });
         const [x] = r.body.items.map((i: { resourceId: string }) => i.resourceId);
         const path = `/v1/reservations/${r.body.id}/confirm`;
-        let unblockA!: () => void;
-        const aGate = new Promise<void>((resolve) => (unblockA = resolve));
-        let aAnswered!: () => void;
-        const aDone = new Promise<void>((resolve) => (aAnswered = resolve));
+        const aGate = gate();
+        const aDone = gate();
         const aAllocate = vi.spyOn(api.app.get(ResourceRepository), 'allocate').mockImplementation(async () => {
-          await aGate;
+          await aGate.opened;
           return lost(new Error('Query read timeout'));
         });
         const bAllocate = vi.spyOn(b.app.get(ResourceRepository), 'allocate').mockImplementation(async () => {
-          await aDone;
+          await aDone.opened;
           return lost(new Error('Query read timeout'));
         });
         try {
@@ -483,9 +489,9 @@ describe('commits whose outcome the caller never saw', () => {
           await sleep(200);
           const second = b.post(path, { resourceIds: [x] });
           await sleep(200);
-          unblockA();
+          aGate.open();
           const answerA = await first;
-          aAnswered();
+          aDone.open();
           const answerB = await second;
           // a ended epoch 1 (its 503 is true); b's commit can no longer land either, so its 503 is true too.
           for (const answer of [answerA, answerB]) {
@@ -496,8 +502,8 @@ describe('commits whose outcome the caller never saw', () => {
           const stored = await b.app.get(HoldStore).read('both-fail', r.body.id);
           expect(stored?.state).toBe('held');
         } finally {
-          unblockA();
-          aAnswered();
+          aGate.open();
+          aDone.open();
           aAllocate.mockRestore();
           bAllocate.mockRestore();
         }
@@ -553,11 +559,10 @@ describe('commits whose outcome the caller never saw', () => {
         const refused = () => lost(Object.assign(new Error('connect ECONNREFUSED 127.0.0.1:5432'), { code: 'ECONNREFUSED' }));
         vi.spyOn(c.app.get(ResourceRepository), 'allocate').mockImplementation(refused);
         vi.spyOn(c.app.get(ResourceRepository), 'decideAbort').mockImplementation(refused);
-        let cAnswered!: () => void;
-        const cDone = new Promise<void>((resolve) => (cAnswered = resolve));
+        const cDone = gate();
         const bResources = b.app.get(ResourceRepository);
         const allocate = bResources.allocate.bind(bResources);
-        vi.spyOn(bResources, 'allocate').mockImplementation(async (allocation) => (await cDone, allocate(allocation)));
+        vi.spyOn(bResources, 'allocate').mockImplementation(async (allocation) => (await cDone.opened, allocate(allocation)));
         let answerB;
         try {
           const first = c.post(path, { resourceIds: [x] });
@@ -570,10 +575,10 @@ describe('commits whose outcome the caller never saw', () => {
           const stored = await b.app.get(HoldStore).read('pin-twice-between', r.body.id);
           expect([stored?.state, stored?.epoch]).toEqual(['confirming', 1]);
           expect(await b.app.get<Redis>(REDIS).get(poolKeys(world.prefix, 'pin-twice-between').hold(x))).toBe(r.body.id);
-          cAnswered();
+          cDone.open();
           answerB = await second;
         } finally {
-          cAnswered();
+          cDone.open();
           vi.restoreAllMocks();
         }
         expect(answerB.status, JSON.stringify(answerB.body)).toBe(200);
