@@ -1,5 +1,5 @@
 import 'reflect-metadata';
-import { NestFactory } from '@nestjs/core';
+import { NestFactory, Reflector } from '@nestjs/core';
 import { FastifyAdapter, NestFastifyApplication } from '@nestjs/platform-fastify';
 import { DocumentBuilder, SwaggerModule } from '@nestjs/swagger';
 import type { FastifyError, FastifyReply, FastifyRequest } from 'fastify';
@@ -7,6 +7,7 @@ import { randomUUID } from 'node:crypto';
 import type { IncomingMessage } from 'node:http';
 import type { Redis } from 'ioredis';
 import { AppModule } from './app.module.js';
+import { API_KEY_SCHEME, ApiKeyGuard, parseApiKeys } from './common/auth.js';
 import { createValidationPipe } from './common/validation.js';
 import { addValidationLimits } from './common/openapi-limits.js';
 import { addBodyLimitResponses } from './common/api-errors.decorator.js';
@@ -46,6 +47,9 @@ export function buildOpenApi(app: NestFastifyApplication) {
         'version-checked Postgres update. Every error answer has the body `{ "error": { "code", "message", "details" } }`.',
     )
     .setVersion(API_VERSION)
+    // Checked only when the deployment sets API_KEYS; either header will do.
+    .addBearerAuth({ type: 'http', scheme: 'bearer', description: 'An API key of API_KEYS' })
+    .addApiKey({ type: 'apiKey', in: 'header', name: 'X-API-Key', description: 'An API key of API_KEYS' }, API_KEY_SCHEME)
     .build();
   return addBodyLimitResponses(addValidationLimits(SwaggerModule.createDocument(app, config)));
 }
@@ -104,6 +108,7 @@ export async function createApp(config: AppConfig, options: { logger?: boolean }
   }
 
   app.useGlobalPipes(createValidationPipe());
+  if (config.API_KEYS !== '') app.useGlobalGuards(new ApiKeyGuard(parseApiKeys(config.API_KEYS).keys, app.get(Reflector)));
 
   const fastify = app.getHttpAdapter().getInstance();
   const metrics = app.get(MetricsService);
@@ -130,9 +135,7 @@ export async function createApp(config: AppConfig, options: { logger?: boolean }
       delete headers['content-type'];
     let refused: DomainError | undefined;
     if (closing) {
-      refused = new DomainError(ErrorCode.DEPENDENCY_UNAVAILABLE, 'this instance is shutting down; nothing was changed (send it again)', {
-        dependency: 'instance',
-      });
+      refused = DomainError.shuttingDown();
     } else if (req.url.includes('?') && req.url.startsWith('/v1/')) {
       // No call of the API takes a query string (API.md): a field in one is refused like any unknown field.
       const fields = Object.keys(req.query as object);

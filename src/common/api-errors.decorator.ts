@@ -23,7 +23,8 @@ export class ErrorDetailDto {
           properties: {
             field: {
               type: 'string',
-              description: 'The field: a path into the body (`items.0.value`); a path parameter, header or query-string field by its name (`pool`, `id`, `Idempotency-Key`); or `body`, `path`, `request` for the request as a whole',
+              description:
+                'The field: a path into the body (`items.0.value`); a path parameter, header or query-string field by its name (`pool`, `id`, `Idempotency-Key`); or `body`, `path`, `request` for the request as a whole',
             },
             reason: { type: 'string', description: 'Why it was refused' },
           },
@@ -41,6 +42,12 @@ export class ErrorDetailDto {
         description:
           'DEPENDENCY_UNAVAILABLE of a confirm or a task complete: "unknown" when Postgres could not be asked whether ' +
           'the commit, sent before it stopped answering, landed; the same call again tells (absent: nothing was changed)',
+      },
+      confirmInProgress: {
+        type: 'boolean',
+        description:
+          'RESERVATION_CLOSED of an extend, heartbeat, DELETE or abandon: true while a confirm (or complete) of the ' +
+          'reservation is committing; it is confirmed when that ends, or held again if the confirm failed (absent: closed)',
       },
       searchLimited: {
         type: 'boolean',

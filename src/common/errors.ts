@@ -69,6 +69,13 @@ export class DomainError extends Error {
     return new DomainError(ErrorCode.VALIDATION_FAILED, message, { fields });
   }
 
+  /** What an instance that is shutting down answers: the caller sends it again, to another instance. */
+  static shuttingDown(): DomainError {
+    return new DomainError(ErrorCode.DEPENDENCY_UNAVAILABLE, 'this instance is shutting down; nothing was changed (send it again)', {
+      dependency: 'instance',
+    });
+  }
+
   static unavailable(dependency: 'postgres' | 'redis', cause?: unknown): DomainError {
     const err = new DomainError(ErrorCode.DEPENDENCY_UNAVAILABLE, `${dependency} is unavailable; nothing was changed`, {
       dependency,

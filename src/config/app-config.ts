@@ -1,5 +1,6 @@
 import 'reflect-metadata';
 import { plainToInstance, Transform } from 'class-transformer';
+import { parseApiKeys } from '../common/auth.js';
 import { IsIn, IsInt, IsOptional, IsString, Matches, Max, Min, ValidateBy, validateSync } from 'class-validator';
 
 /** A URL that `new URL` takes (a port above 65535, a bad host or a stray character it refuses). */
@@ -13,8 +14,21 @@ function IsParsableUrl(): PropertyDecorator {
   });
 }
 
-/** A setting as a problem report may show it: a URL's password replaced, so it never reaches a log. */
+/** API_KEYS as parseApiKeys takes it; the message names the bad entries, never a key. */
+function IsApiKeyList(): PropertyDecorator {
+  return ValidateBy({
+    name: 'isApiKeyList',
+    validator: {
+      validate: (value: unknown) => value === '' || (typeof value === 'string' && parseApiKeys(value).problems.length === 0),
+      defaultMessage: (args) =>
+        typeof args?.value === 'string' ? parseApiKeys(args.value).problems.join('; ') : 'API_KEYS must be a string',
+    },
+  });
+}
+
+/** A setting as a problem report may show it: a URL's password or an API key replaced, so it never reaches a log. */
 export function redacted(key: string, value: string | undefined): string {
+  if (value !== undefined && key === 'API_KEYS') return '"***"';
   if (value === undefined || !key.endsWith('_URL')) return JSON.stringify(value);
   // Parsable or not: after the scheme, what lies between the first ":" and the last "@" is the password.
   const scheme = /^[a-z][a-z0-9+.-]*:\/*/i.exec(value)?.[0] ?? '';
@@ -156,6 +170,20 @@ export class AppConfig {
   @Max(10_000_000)
   @IsOptional()
   RATE_LIMIT_BURST = 0;
+
+  /** Reserves that may wait for free items (waitMs) at once on each instance; one more is answered 429. */
+  @Transform(toInt)
+  @IsInt()
+  @Min(0)
+  @Max(1_000_000)
+  MAX_WAITING_RESERVES = 1_000;
+
+  /**
+   * API keys and their roles, `role:key` separated by commas (roles: admin, client, reviewer). Empty: every call is
+   * open. Set: every /v1 call needs a key of a role API.md allows it (401 without, 403 with another role).
+   */
+  @IsApiKeyList()
+  API_KEYS = '';
 
   /** How long graceful shutdown waits for in-flight requests. */
   @Transform(toInt)

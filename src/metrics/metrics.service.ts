@@ -42,7 +42,7 @@ export class MetricsService {
 
   readonly confirmConflicts = new Counter({
     name: 'respool_confirm_conflicts_total',
-    help: 'Confirms and completions refused because an item was taken (hold_taken), its version changed (version_changed), or the commit outlasted COMMIT_WINDOW_MS (commit_window_passed)',
+    help: 'Confirms and completions refused because an item was taken (hold_taken), its version changed (version_changed), both 409, or the commit outlasted COMMIT_WINDOW_MS twice (commit_window_passed, 503)',
     labelNames: ['reason'] as const,
     registers: [this.registry],
   });

@@ -99,7 +99,11 @@ export class PoolStatsDto {
   @ApiProperty({ type: 'integer', description: 'Items that can be reserved now' })
   free: number;
 
-  @ApiProperty({ type: 'integer', description: 'Items neither allocated nor in the free index: under a hold (a live reservation or lease, or an expired one not yet swept), or free in Postgres but not (yet) indexed in Redis (after a failed Redis write or a wipe, until the rebuild)' })
+  @ApiProperty({
+    type: 'integer',
+    description:
+      'Items neither allocated nor in the free index: under a hold (a live reservation or lease, or an expired one not yet swept), or free in Postgres but not (yet) indexed in Redis (after a failed Redis write or a wipe, until the rebuild)',
+  })
   held: number;
 
   @ApiProperty({ type: 'integer', description: 'Items allocated to an owner' })
@@ -127,7 +131,11 @@ export class ImportItemDto {
   @IsFlatStringRecord()
   attributes?: Record<string, string>;
 
-  @ApiPropertyOptional({ description: 'Group of the item (task pools: pull-next gives a reviewer a task of a group it already leases in before one of another group)', maxLength: 256 })
+  @ApiPropertyOptional({
+    description:
+      'Group of the item (task pools: pull-next gives a reviewer a task of a group it already leases in before one of another group)',
+    maxLength: 256,
+  })
   @IsOptional()
   @IsString()
   @IsCharLength(1, 256)

@@ -1,5 +1,6 @@
 import { Body, Controller, Get, HttpCode, Param, Post } from '@nestjs/common';
 import { ApiCreatedResponse, ApiOkResponse, ApiOperation, ApiTags } from '@nestjs/swagger';
+import { Roles } from '../common/auth.js';
 import { ApiErrors } from '../common/api-errors.decorator.js';
 import { ErrorCode } from '../common/errors.js';
 import {
@@ -21,6 +22,7 @@ export class PoolsController {
   constructor(private readonly pools: PoolsService) {}
 
   @Post()
+  @Roles('admin')
   @ApiOperation({ summary: 'Create a pool' })
   @ApiCreatedResponse({ type: PoolDto, description: 'The pool created' })
   @ApiErrors(ErrorCode.VALIDATION_FAILED, ErrorCode.POOL_EXISTS, ErrorCode.PAYLOAD_TOO_LARGE)
@@ -29,6 +31,7 @@ export class PoolsController {
   }
 
   @Get()
+  @Roles('admin')
   @ApiOperation({ summary: 'List pools' })
   @ApiOkResponse({ type: [PoolDto], description: 'Every pool' })
   @ApiErrors()
@@ -37,6 +40,7 @@ export class PoolsController {
   }
 
   @Get(':pool')
+  @Roles('admin')
   @ApiOperation({ summary: 'A pool with its item counts' })
   @ApiOkResponse({ type: PoolWithStatsDto, description: 'The pool and how many of its items are in each state' })
   @ApiErrors(ErrorCode.VALIDATION_FAILED, ErrorCode.POOL_NOT_FOUND)
@@ -45,6 +49,7 @@ export class PoolsController {
   }
 
   @Post(':pool/resources')
+  @Roles('admin')
   @ApiOperation({ summary: 'Bulk import items (at most 10,000 a call); values already in the pool count as duplicates' })
   @ApiCreatedResponse({ type: ImportResultDto, description: 'How many items were added, and how many were already there' })
   @ApiErrors(ErrorCode.VALIDATION_FAILED, ErrorCode.POOL_NOT_FOUND, ErrorCode.PAYLOAD_TOO_LARGE)
@@ -53,6 +58,7 @@ export class PoolsController {
   }
 
   @Get(':pool/resources/:id')
+  @Roles('admin')
   @ApiOperation({ summary: 'One item and its state' })
   @ApiOkResponse({ type: ResourceDto, description: 'The item' })
   @ApiErrors(ErrorCode.VALIDATION_FAILED, ErrorCode.POOL_NOT_FOUND, ErrorCode.RESOURCE_NOT_FOUND)
@@ -61,6 +67,7 @@ export class PoolsController {
   }
 
   @Post(':pool/resources/:id/release')
+  @Roles('client', 'admin')
   @HttpCode(200)
   @ApiOperation({ summary: 'Release an allocated item back to the pool (its version is incremented)' })
   @ApiOkResponse({ type: ResourceDto, description: 'The item, free again, its version incremented' })

@@ -104,7 +104,8 @@ export type ReleaseResult =
   | { status: 'undecided'; epoch: number }
   | { status: 'busy' | 'missing' };
 
-export type ExtendResult = { status: 'extended'; reservation: StoredReservation } | { status: 'expired' | 'closed' | 'missing' };
+export type ExtendResult =
+  { status: 'extended'; reservation: StoredReservation } | { status: 'expired' | 'confirming' | 'closed' | 'missing' };
 
 export interface AllocatedItem {
   resourceId: string;
@@ -393,7 +394,7 @@ export class HoldStore implements OnApplicationShutdown {
   async extend(pool: string, reservationId: string, ttlMs: number): Promise<ExtendResult> {
     const reply = await this.run<string[]>('extend', pool, reservationId, ttlMs, this.openRecordMs, this.config.HOLD_GRACE_MS);
     if (reply[0] === 'extended') return { status: 'extended', reservation: parseReservation(reply) };
-    return { status: reply[0] as 'expired' | 'closed' | 'missing' };
+    return { status: reply[0] as 'expired' | 'confirming' | 'closed' | 'missing' };
   }
 
   async sweep(pool: string, batch: number, recheckMs: number, workBudget: number): Promise<SweepResult> {

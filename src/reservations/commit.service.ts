@@ -176,10 +176,12 @@ export class CommitService {
       // this reservation's unless its hold ran out and someone took them (then HOLD_LOST, as it should be).
       if (!again) return this.commit(pool, r.id, selection, r.epoch);
       this.metrics.confirmConflicts.inc({ reason: 'commit_window_passed' });
+      // Nobody took the items: Postgres was too slow, twice. HOLD_LOST would tell the caller to give up.
       throw new DomainError(
-        ErrorCode.HOLD_LOST,
-        'the commit took longer than its window and was given up; nothing was allocated (retry the confirm if the hold is still due)',
-        { resourceIds: selection },
+        ErrorCode.DEPENDENCY_UNAVAILABLE,
+        'postgres is too slow: the commit took longer than its window, twice, and was given up; nothing was changed ' +
+          '(send the confirm again while the hold is due)',
+        { dependency: 'postgres', resourceIds: selection },
       );
     }
     this.metrics.confirmConflicts.inc({ reason: 'version_changed' });

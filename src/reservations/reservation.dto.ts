@@ -70,7 +70,10 @@ export class CreateReservationDto {
   ttlMs?: number;
 
   @ApiPropertyOptional({
-    description: 'How long to wait for free items, ms (0-30000). Only 0 is supported so far: a value above 0 is refused with 400.',
+    description:
+      'How long to wait for free items, ms (0-30000). While fewer than `count` match, the reserve tries again every 25-250 ms ' +
+      'until it holds them or waitMs has passed (then 409 POOL_EXHAUSTED); not in arrival order. A filter too rare to be ' +
+      'searched in full, a replayed Idempotency-Key and the owner quota answer at once.',
     default: 0,
     minimum: 0,
     maximum: 30_000,

@@ -1,6 +1,7 @@
 import { Body, Controller, Delete, Get, Headers, HttpCode, Param, Post, Res } from '@nestjs/common';
 import { ApiBody, ApiCreatedResponse, ApiHeader, ApiOkResponse, ApiOperation, ApiTags } from '@nestjs/swagger';
 import type { FastifyReply } from 'fastify';
+import { Roles } from '../common/auth.js';
 import { ApiErrors } from '../common/api-errors.decorator.js';
 import { ErrorCode } from '../common/errors.js';
 import { NO_BODY, NoBodyPipe } from '../common/validation.js';
@@ -14,6 +15,7 @@ export class ReservationsController {
   constructor(private readonly reservations: ReservationsService) {}
 
   @Post('v1/pools/:pool/reservations')
+  @Roles('client')
   @ApiOperation({ summary: 'Hold `count` free items for an owner, all or nothing' })
   @ApiHeader({
     name: 'Idempotency-Key',
@@ -36,12 +38,28 @@ export class ReservationsController {
     @Headers('idempotency-key') idempotencyKey: string | undefined,
     @Res({ passthrough: true }) reply: FastifyReply,
   ): Promise<ReservationDto> {
-    const answer = await this.reservations.reserve(params.pool, dto, idempotencyKey);
-    void reply.status(answer.created ? 201 : 200);
-    return answer.reservation;
+    if (!dto.waitMs) {
+      const answer = await this.reservations.reserve(params.pool, dto, idempotencyKey);
+      void reply.status(answer.created ? 201 : 200);
+      return answer.reservation;
+    }
+    // A reserve that may wait stops waiting when its caller hangs up: the response closes before it was sent.
+    const gone = new AbortController();
+    const hungUp = (): void => {
+      if (!reply.raw.writableFinished) gone.abort();
+    };
+    reply.raw.once('close', hungUp);
+    try {
+      const answer = await this.reservations.reserve(params.pool, dto, idempotencyKey, gone.signal);
+      void reply.status(answer.created ? 201 : 200);
+      return answer.reservation;
+    } finally {
+      reply.raw.off('close', hungUp);
+    }
   }
 
   @Get('v1/reservations/:id')
+  @Roles('client')
   @ApiOperation({ summary: 'A reservation and its state' })
   @ApiOkResponse({ type: ReservationDto, description: 'The reservation' })
   @ApiErrors(ErrorCode.VALIDATION_FAILED, ErrorCode.RESERVATION_NOT_FOUND)
@@ -50,6 +68,7 @@ export class ReservationsController {
   }
 
   @Post('v1/reservations/:id/extend')
+  @Roles('client')
   @HttpCode(200)
   @ApiOperation({ summary: "Extend a live hold: expiresAt = now + ttlMs, capped by the pool's maxHoldTtlMs" })
   @ApiOkResponse({ type: ReservationDto, description: 'The reservation with its new expiresAt' })
@@ -59,6 +78,7 @@ export class ReservationsController {
   }
 
   @Post('v1/reservations/:id/confirm')
+  @Roles('client')
   @HttpCode(200)
   @ApiOperation({ summary: 'Allocate the chosen items to the owner and free the rest (idempotent)' })
   @ApiOkResponse({ type: ConfirmResultDto, description: 'Confirmed (the same body for a repeat of the same confirm)' })
@@ -75,6 +95,7 @@ export class ReservationsController {
   }
 
   @Delete('v1/reservations/:id')
+  @Roles('client')
   @ApiOperation({ summary: 'Release every held item of the reservation at once (idempotent)' })
   @ApiOkResponse({ type: ReservationDto, description: 'The reservation, released (also when it already was)' })
   @ApiErrors(ErrorCode.VALIDATION_FAILED, ErrorCode.RESERVATION_NOT_FOUND, ErrorCode.RESERVATION_CLOSED)

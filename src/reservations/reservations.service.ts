@@ -1,11 +1,12 @@
-import { Injectable } from '@nestjs/common';
+import { Injectable, OnModuleDestroy } from '@nestjs/common';
 import { randomUUID } from 'node:crypto';
 import { DomainError, ErrorCode } from '../common/errors.js';
+import { AppConfig } from '../config/app-config.js';
 import { bodyHash } from '../common/stable-json.js';
 import { PoolEntity } from '../database/entities.js';
 import { MetricsService } from '../metrics/metrics.service.js';
 import { PoolCatalog } from '../pools/pool-catalog.service.js';
-import { HoldStore, ReserveRequest, StoredReservation } from '../redis/hold-store.repository.js';
+import { HoldStore, ReserveRequest, ReserveResult, StoredReservation } from '../redis/hold-store.repository.js';
 import { makeReservationId, poolOfReservationId } from '../redis/keys.js';
 import { CommitService, notFound } from './commit.service.js';
 import { ConfirmResultDto, CreateReservationDto, ReservationDto } from './reservation.dto.js';
@@ -13,6 +14,14 @@ import { committedReservationDto, toConfirmResult, toReservationDto } from './re
 
 /** An Idempotency-Key: 1-255 visible ASCII characters. */
 export const IDEMPOTENCY_KEY = /^[\x21-\x7e]{1,255}$/;
+
+/**
+ * A reserve with `waitMs` tries again after WAIT_FIRST_PAUSE_MS, the pause doubling up to WAIT_MAX_PAUSE_MS (each
+ * drawn at random from its upper half, so that waiters spread out): an item freed anywhere is found within about
+ * WAIT_MAX_PAUSE_MS, and a waiter costs Redis at most one reserve script per pause.
+ */
+export const WAIT_FIRST_PAUSE_MS = 25;
+export const WAIT_MAX_PAUSE_MS = 250;
 
 export interface ReserveAnswer {
   /** false when an Idempotency-Key replayed an earlier reservation (200 instead of 201). */
@@ -42,22 +51,33 @@ export function holdTtl(pool: PoolEntity, requested: number | undefined, field: 
 }
 
 @Injectable()
-export class ReservationsService {
+export class ReservationsService implements OnModuleDestroy {
+  /** Wakes the reserves waiting for free items (waitMs), with false: the instance is shutting down. */
+  private readonly pauses = new Set<(goOn: boolean) => void>();
+  /** Reserves waiting for free items now (AppConfig.MAX_WAITING_RESERVES). */
+  private waiting = 0;
+  private stopping = false;
+
   constructor(
     private readonly catalog: PoolCatalog,
     private readonly holds: HoldStore,
     private readonly committer: CommitService,
     private readonly metrics: MetricsService,
+    private readonly config: AppConfig,
   ) {}
 
-  async reserve(poolName: string, dto: CreateReservationDto, idempotencyKey: string | undefined): Promise<ReserveAnswer> {
+  /**
+   * `gone`: the caller hung up (a reserve waiting for free items stops waiting; one that has held items keeps
+   * them, to expire, as when the answer is lost on its way).
+   */
+  async reserve(
+    poolName: string,
+    dto: CreateReservationDto,
+    idempotencyKey: string | undefined,
+    gone?: AbortSignal,
+  ): Promise<ReserveAnswer> {
     if (idempotencyKey !== undefined && !IDEMPOTENCY_KEY.test(idempotencyKey)) {
       throw DomainError.validation([{ field: 'Idempotency-Key', reason: 'Idempotency-Key must be 1-255 visible ASCII characters' }]);
-    }
-    if (dto.waitMs !== undefined && dto.waitMs > 0) {
-      throw DomainError.validation([
-        { field: 'waitMs', reason: 'waiting for free items (waitMs above 0) is not supported yet; send 0 or omit it' },
-      ]);
     }
     const pool = await this.catalog.get(poolName);
     const count = dto.count ?? 1;
@@ -74,7 +94,7 @@ export class ReservationsService {
       valuePrefix: dto.filter?.valuePrefix,
       groupAffinity: false,
     };
-    const result = await this.holds.reserve(pool.name, request);
+    const result = await this.reserveOrWait(pool.name, request, dto.waitMs ?? 0, gone);
     this.metrics.reservations.inc({ pool: pool.name, outcome: result.status });
     switch (result.status) {
       case 'ok':
@@ -105,6 +125,64 @@ export class ReservationsService {
           idempotencyKey,
         });
     }
+  }
+
+  /**
+   * Runs the reserve script until it holds the items or `waitMs` has passed. Each try is the same request (the
+   * same reservation id: a try that finds too few items writes nothing), so all-or-nothing and the
+   * Idempotency-Key hold as for one try; a key's replay or refusal, the owner's quota and a search cut short
+   * (a filter that matches too rarely: trying again would cost as much and find as little) end the wait at once.
+   */
+  private async reserveOrWait(pool: string, request: ReserveRequest, waitMs: number, gone?: AbortSignal): Promise<ReserveResult> {
+    let result = await this.holds.reserve(pool, request);
+    if (waitMs === 0 || result.status !== 'exhausted' || result.limited) return result;
+    const most = this.config.MAX_WAITING_RESERVES;
+    if (this.waiting >= most) {
+      throw new DomainError(
+        ErrorCode.RATE_LIMITED,
+        `${most} reserves are waiting for free items on this instance already; try again later, or with waitMs 0`,
+        { waitingReserves: most },
+      );
+    }
+    const deadline = Date.now() + waitMs;
+    this.waiting++;
+    try {
+      for (let pause = WAIT_FIRST_PAUSE_MS; ; pause = Math.min(2 * pause, WAIT_MAX_PAUSE_MS)) {
+        const left = deadline - Date.now();
+        if (left <= 0 || gone?.aborted) return result;
+        if (!(await this.pause(Math.min(left, pause / 2 + Math.random() * (pause / 2)), gone))) {
+          throw DomainError.shuttingDown();
+        }
+        if (gone?.aborted) return result;
+        result = await this.holds.reserve(pool, request);
+        if (result.status !== 'exhausted' || result.limited) return result;
+      }
+    } finally {
+      this.waiting--;
+    }
+  }
+
+  /** Resolves true after `ms`, or at once when the caller hangs up; false when the instance shuts down. */
+  private pause(ms: number, gone?: AbortSignal): Promise<boolean> {
+    if (this.stopping) return Promise.resolve(false);
+    return new Promise((resolve) => {
+      const done = (goOn: boolean): void => {
+        clearTimeout(timer);
+        gone?.removeEventListener('abort', hungUp);
+        this.pauses.delete(done);
+        resolve(goOn);
+      };
+      const hungUp = (): void => done(true);
+      const timer = setTimeout(hungUp, ms);
+      gone?.addEventListener('abort', hungUp);
+      this.pauses.add(done);
+    });
+  }
+
+  /** Runs before the HTTP server closes (Nest calls onModuleDestroy first): waiting reserves answer 503 at once. */
+  onModuleDestroy(): void {
+    this.stopping = true;
+    for (const wake of [...this.pauses]) wake(false);
   }
 
   async get(id: string): Promise<ReservationDto> {
@@ -141,6 +219,8 @@ export class ReservationsService {
         return result.reservation;
       case 'expired':
         throw new DomainError(ErrorCode.HOLD_EXPIRED, 'the hold has expired', { id });
+      case 'confirming':
+        throw confirmInProgress(id);
       case 'closed':
         throw new DomainError(ErrorCode.RESERVATION_CLOSED, 'the reservation is already confirmed or released', { id });
       case 'missing':
@@ -180,7 +260,7 @@ export class ReservationsService {
         });
       case 'undecided':
       case 'busy':
-        throw new DomainError(ErrorCode.RESERVATION_CLOSED, 'a confirm of this reservation is in progress', { id });
+        throw confirmInProgress(id);
       case 'missing': {
         if (await this.committer.landedCommit(id)) {
           throw new DomainError(ErrorCode.RESERVATION_CLOSED, 'the reservation is confirmed', { id });
@@ -189,4 +269,16 @@ export class ReservationsService {
       }
     }
   }
+}
+
+/**
+ * RESERVATION_CLOSED while a confirm of the reservation commits: `details.confirmInProgress` tells it from a closed
+ * one, since the reservation is held again if that confirm fails.
+ */
+function confirmInProgress(id: string): DomainError {
+  return new DomainError(
+    ErrorCode.RESERVATION_CLOSED,
+    'a confirm of this reservation is in progress; once it ends the reservation is confirmed, or held again if it failed',
+    { id, confirmInProgress: true },
+  );
 }

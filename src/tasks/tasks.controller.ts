@@ -1,6 +1,7 @@
 import { Body, Controller, HttpCode, Param, Post, Res } from '@nestjs/common';
 import { ApiBody, ApiNoContentResponse, ApiOkResponse, ApiOperation, ApiTags } from '@nestjs/swagger';
 import type { FastifyReply } from 'fastify';
+import { Roles } from '../common/auth.js';
 import { ApiErrors } from '../common/api-errors.decorator.js';
 import { ErrorCode } from '../common/errors.js';
 import { NO_BODY, NoBodyPipe } from '../common/validation.js';
@@ -14,6 +15,7 @@ export class TasksController {
   constructor(private readonly tasks: TasksService) {}
 
   @Post('v1/pools/:pool/tasks/next')
+  @Roles('reviewer')
   @ApiOperation({ summary: 'Lease the next free task (a task from a group the reviewer already leases in comes first)' })
   @ApiOkResponse({ type: TaskLeaseDto, description: 'The task leased' })
   @ApiNoContentResponse({ description: 'No task is free' })
@@ -29,6 +31,7 @@ export class TasksController {
   }
 
   @Post('v1/tasks/:leaseId/heartbeat')
+  @Roles('reviewer')
   @HttpCode(200)
   @ApiOperation({ summary: 'Extend a live lease' })
   @ApiBody({ type: HeartbeatDto, required: false, description: "Optional: without a body, the lease is extended by the pool's holdTtlMs" })
@@ -39,6 +42,7 @@ export class TasksController {
   }
 
   @Post('v1/tasks/:leaseId/complete')
+  @Roles('reviewer')
   @HttpCode(200)
   @ApiOperation({ summary: 'Allocate the task to the reviewer (idempotent)' })
   @ApiOkResponse({ type: TaskStateDto, description: 'Completed (also when it already was)' })
@@ -49,6 +53,7 @@ export class TasksController {
   }
 
   @Post('v1/tasks/:leaseId/abandon')
+  @Roles('reviewer')
   @HttpCode(200)
   @ApiOperation({ summary: 'Give the task back: it is free again at once' })
   @ApiOkResponse({ type: TaskStateDto, description: 'Abandoned: the task is free again' })

@@ -260,6 +260,38 @@ describe('commits whose outcome the caller never saw', () => {
     }
   });
 
+  it('a confirm whose commit outlasted its window twice answers 503 (nothing allocated), and its retry inside the hold succeeds', async () => {
+    const quick = await world.start({ COMMIT_WINDOW_MS: '1000', RECONCILE_INTERVAL_MS: '0' });
+    try {
+      await seedPool(quick, 'slower-commit', numbers(2, '1393000'));
+      const r = await quick.post('/v1/pools/slower-commit/reservations', { owner: 'buyer', count: 2, ttlMs: 60_000 });
+      const chosen = r.body.items[0].resourceId;
+      const resources = quick.app.get(ResourceRepository);
+      const allocate = resources.allocate.bind(resources);
+      // Both commits reach Postgres after their windows, once their epochs were given up.
+      const late = async (allocation: Parameters<typeof allocate>[0]) => {
+        await sleep(1200);
+        await resources.decideAbort(allocation.reservationId, allocation.epoch);
+        return allocate(allocation);
+      };
+      const slow = vi.spyOn(resources, 'allocate').mockImplementationOnce(late).mockImplementationOnce(late);
+      try {
+        const refused = await quick.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [chosen] });
+        expect(refused.status, JSON.stringify(refused.body)).toBe(503);
+        expect(refused.body.error).toMatchObject({ code: 'DEPENDENCY_UNAVAILABLE', details: { dependency: 'postgres' } });
+        expect(slow).toHaveBeenCalledTimes(2);
+      } finally {
+        slow.mockRestore();
+      }
+      expect(await world.query(`SELECT state FROM t_resource WHERE id = $1`, [chosen])).toEqual([{ state: 1 }]);
+      const retried = await quick.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [chosen] });
+      expect(retried.status, JSON.stringify(retried.body)).toBe(200);
+      expect(await world.query(`SELECT owner, state FROM t_resource WHERE id = $1`, [chosen])).toEqual([{ owner: 'buyer', state: 2 }]);
+    } finally {
+      await quick.close();
+    }
+  });
+
   it('a confirm that joined a commit keeps it when the other confirm of that commit fails and un-pins', async () => {
     await seedPool(api, 'joined', numbers(1));
     const r = await api.post('/v1/pools/joined/reservations', { owner: 'buyer', count: 1, ttlMs: 1000 });

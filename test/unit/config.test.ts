@@ -1,5 +1,6 @@
 import { readFileSync } from 'node:fs';
 import { describe, expect, it } from 'vitest';
+import { parseApiKeys } from '../../src/common/auth.js';
 import { AppConfig, ConfigError, expiryBudgetWarning, loadConfig } from '../../src/config/app-config.js';
 
 describe('loadConfig', () => {
@@ -65,6 +66,38 @@ describe('loadConfig', () => {
     expect(message).toContain('REDIS_URL="redis:/:***@h"');
     expect(message).not.toMatch(/S3cretPW|RedisPW/);
     expect(loadConfig({ DATABASE_URL: 'postgres://app:pw@db:5432/x' }).DATABASE_URL).toBe('postgres://app:pw@db:5432/x');
+  });
+});
+
+describe('API_KEYS', () => {
+  const admin = 'admin-key-0123456789';
+  it('takes role:key entries and keeps the keys by digest only', () => {
+    const { keys, problems } = parseApiKeys(` admin:${admin}, client:client-key-0123456789,reviewer:rev/key+0123456789= `);
+    expect(problems).toEqual([]);
+    expect([...keys.values()].sort()).toEqual(['admin', 'client', 'reviewer']);
+    expect([...keys.keys()].join()).not.toContain(admin);
+    expect(loadConfig({ API_KEYS: `admin:${admin}` }).API_KEYS).toBe(`admin:${admin}`);
+    expect(loadConfig({}).API_KEYS).toBe('');
+  });
+
+  it('refuses an unknown role, a short or badly formed key, and one key given two roles, never showing a key', () => {
+    const { problems } = parseApiKeys(`root:${admin},client:short,client:${admin} x,admin:${admin},reviewer:${admin},client`);
+    expect(problems).toEqual([
+      'entry 1 must start with a role (admin, client, reviewer) and ":"',
+      'entry 2: a key must be 16-256 letters, digits or . _ ~ + / = -',
+      'entry 3: a key must be 16-256 letters, digits or . _ ~ + / = -',
+      'entry 5: its key is given another role already (admin)',
+      'entry 6 must start with a role (admin, client, reviewer) and ":"',
+    ]);
+    let error: unknown;
+    try {
+      loadConfig({ API_KEYS: `admin:${admin},client:short` });
+    } catch (err) {
+      error = err;
+    }
+    expect(error).toBeInstanceOf(ConfigError);
+    expect((error as ConfigError).message).toContain('API_KEYS="***": entry 2: a key must be');
+    expect((error as ConfigError).message).not.toContain(admin);
   });
 });
 

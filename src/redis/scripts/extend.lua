@@ -1,13 +1,15 @@
 -- extend: extend a live reservation or heartbeat a lease: expiresAt = now + ttl.
 -- ARGV: 1 base, 2 rid, 3 ttl ms (already capped by the pool's maxHoldTtlMs), 4 how long the record outlives its
 --       hold, ms (see reserve), 5 grace ms (see reserve)
--- Returns: {"extended", ...reservation} | {"expired"} | {"closed"} | {"missing"}
+-- Returns: {"extended", ...reservation} | {"expired"} | {"confirming"} (a confirm of it is committing) | {"closed"} |
+--          {"missing"}
 local base, rid, ttl, open_record_ms, grace = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
 local rkey = base .. 'r:' .. rid
 local r = read_reservation(rkey)
 local now = now_ms()
 if not r then return { 'missing' } end
 if r.s == 'expired' or (r.s == 'held' and tonumber(r.e) <= now) then return { 'expired' } end
+if r.s == 'confirming' then return { 'confirming' } end
 if r.s ~= 'held' then return { 'closed' } end
 -- Holds of a reservation that started a commit last until the sweeper settles it: never shortened. Unless Postgres
 -- has ended its last epoch ('ad', see abort and unpin): no commit can land on them, and they are plain holds again.
