@@ -292,6 +292,97 @@ describe('commits whose outcome the caller never saw', () => {
     }
   });
 
+  it('the one more try of a commit given up does not join the epoch a retry opened since: that retry failing cannot end it', async () => {
+    const quick = await world.start({ COMMIT_WINDOW_MS: '1000', RECONCILE_INTERVAL_MS: '0' });
+    try {
+      await seedPool(quick, 'retry-opened', numbers(2, '1394000'));
+      const r = await quick.post('/v1/pools/retry-opened/reservations', { owner: 'buyer', count: 2, ttlMs: 60_000 });
+      const chosen = r.body.items[0].resourceId;
+      const pool = (await quick.app.get(PoolRepository).findByName('retry-opened'))!;
+      const holds = quick.app.get(HoldStore);
+      const resources = quick.app.get(ResourceRepository);
+      const allocate = resources.allocate.bind(resources);
+      let retryEpoch = 0;
+      const epochs: number[] = [];
+      const slow = vi
+        .spyOn(resources, 'allocate')
+        // The first commit outlasts its window: the sweeper gives epoch 1 up (held again), and the caller's retry,
+        // on another instance, pins and opens epoch 2 before the late commit is refused.
+        .mockImplementationOnce(async (allocation) => {
+          epochs.push(allocation.epoch);
+          await sleep(1100);
+          await quick.app.get(CommitService).recoverStalled(pool, r.body.id);
+          const retry = await holds.pin('retry-opened', r.body.id, [chosen], 1000);
+          if (retry.status !== 'pinned') throw new Error(`retry pin: ${retry.status}`);
+          retryEpoch = retry.reservation.epoch;
+          return allocate(allocation);
+        })
+        // The retry's commit fails and it ends its epoch; then the one more try of the first commit reaches Postgres.
+        .mockImplementationOnce(async (allocation) => {
+          epochs.push(allocation.epoch);
+          await resources.decideAbort(r.body.id, retryEpoch);
+          return allocate(allocation);
+        });
+      try {
+        const confirmed = await quick.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [chosen] });
+        expect(confirmed.status, JSON.stringify(confirmed.body)).toBe(200);
+        expect(retryEpoch).toBe(2);
+        expect(epochs).toEqual([1, 3]);
+      } finally {
+        slow.mockRestore();
+      }
+      expect(await world.query(`SELECT owner, state FROM t_resource WHERE id = $1`, [chosen])).toEqual([{ owner: 'buyer', state: 2 }]);
+    } finally {
+      await quick.close();
+    }
+  });
+
+  it('once Postgres has ended its last epoch, a reservation held again is released, and expires, with Postgres down', async () => {
+    const quick = await world.start({ RECONCILE_INTERVAL_MS: '0' });
+    try {
+      await seedPool(quick, 'ended-then-down', numbers(4, '1395000'), { maxHoldsPerOwner: 2 });
+      const reserve = (ttlMs: number) => quick.post('/v1/pools/ended-then-down/reservations', { owner: 'buyer', count: 2, ttlMs });
+      const resources = quick.app.get(ResourceRepository);
+      const redis = quick.app.get<Redis>(REDIS);
+      const rkey = (id: string) => `${poolKeys(world.prefix, 'ended-then-down').base}r:${id}`;
+      // A confirm whose instance died after its pin: at the end of its window the sweeper asks Postgres, which ends
+      // the epoch, and holds the reservation again (its hold still due), the epoch recorded as ended ('ad').
+      const endedAfterPin = async (r: { body: { id: string; items: { resourceId: string }[] } }) => {
+        await stalledConfirm(quick, 'ended-then-down', r.body.id, r.body.items[0].resourceId, 200);
+        await eventually(async () => {
+          const [state, epoch, ended] = await redis.hmget(rkey(r.body.id), 's', 'ep', 'ad');
+          return state === 'held' && epoch === '1' && ended === '1';
+        }, 3000);
+      };
+      const down = () => Promise.reject(DomainError.unavailable('postgres', new Error('connect ECONNREFUSED')));
+      const postgresDown = () => [
+        vi.spyOn(resources, 'decideAbort').mockImplementation(down),
+        vi.spyOn(resources, 'findMany').mockImplementation(down),
+      ];
+      const first = await reserve(60_000);
+      await endedAfterPin(first);
+      let spies = postgresDown();
+      try {
+        const released = await quick.del(`/v1/reservations/${first.body.id}`);
+        expect(released.status, JSON.stringify(released.body)).toBe(200);
+        expect(released.body.state).toBe('released');
+        for (const spy of spies) spy.mockRestore();
+        const second = await reserve(1500);
+        await endedAfterPin(second);
+        spies = postgresDown();
+        // At its expiry its holds end and its owner's quota is given back, without Postgres.
+        await sleep(Math.max(0, Date.parse(second.body.expiresAt) - Date.now()) + 1500);
+        expect(await redis.hget(rkey(second.body.id), 's')).toBe('expired');
+        const again = await reserve(60_000);
+        expect(again.status, JSON.stringify(again.body)).toBe(201);
+      } finally {
+        for (const spy of spies) spy.mockRestore();
+      }
+    } finally {
+      await quick.close();
+    }
+  });
+
   it('a confirm that joined a commit keeps it when the other confirm of that commit fails and un-pins', async () => {
     await seedPool(api, 'joined', numbers(1));
     const r = await api.post('/v1/pools/joined/reservations', { owner: 'buyer', count: 1, ttlMs: 1000 });

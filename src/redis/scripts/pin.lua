@@ -6,11 +6,12 @@
 -- Postgres records who ended each epoch (the commit, or an abort), so the two can never both happen.
 -- A confirm must not join an epoch that may already be given up: after the window (the sweeper gives
 -- it up), or with another selection (the first one's version conflict gives it up), nor one its caller
--- knows Postgres ended (ARGV 6: a confirm that got no answer gives its epoch up before it answers 503,
--- while another may have joined it); its own commit would be refused while its hold is still due. Two epochs cannot both commit: Postgres keeps one
--- commit per reservation.
+-- knows Postgres ended (ARGV 6), nor, after that, one another attempt opened since (a retry, whose failure
+-- would end it); its own commit would be refused while its hold is still due. Two epochs cannot both commit:
+-- Postgres keeps one commit per reservation.
 -- ARGV: 1 base, 2 rid, 3 commit window ms, 4 selection (resource ids, comma separated, sorted), 5 grace ms (see
---       reserve), 6 an epoch Postgres has ended ("" = none known): never joined, even while its window is open,
+--       reserve), 6 an epoch Postgres has ended ("" = none known): the pin then joins no epoch, even while its window
+--       is open, but one its own first run opened (a re-send),
 --       7 how long an open record lasts at least (see reserve): a pin re-opens an expired one, 8 the attempt's token
 --       (the same in both sends of a pin HoldStore sends again after a Redis timeout)
 -- Returns: {"pinned", rid, state, owner, kind, createdMs, expiresMs, itemsJson, outcomeJson, nowMs, epoch, generation,
@@ -53,7 +54,9 @@ local retaken = {}
 for i, item in ipairs(selected) do
   if holders[i] ~= rid then retaken[#retaken + 1] = item.id end
 end
-local opened = r.s ~= 'confirming' or tonumber(r.pw or 0) <= now or r.sel ~= selection or (r.ep or '0') == ended
+-- A pin that knows an ended epoch (the one more try of a commit refused as decided) joins no epoch but its own first
+-- run's (a re-send): an epoch opened since by another attempt may be ended by that attempt's failure at any time.
+local opened = r.s ~= 'confirming' or tonumber(r.pw or 0) <= now or r.sel ~= selection or (ended ~= '' and redis.call('HGET', rkey, 'eo') ~= token)
   or #retaken > 0
 -- Every pin of the reservation gets the next number ('pn', never reset), so that unpin can tell whether another
 -- pin came after the one whose commit failed, whatever Redis' clock did.

@@ -46,7 +46,9 @@ local now = now_ms()
 if not r then return { 'missing' } end
 if r.s == 'confirmed' then return reply_of('confirmed', rid, r, now) end
 if r.s == 'confirming' then return { 'busy' } end
-if r.s == 'held' and r.ep and r.ep ~= decided then return { 'undecided', r.ep } end
+-- Held again after a commit epoch: Postgres must end it first (the caller settles it and sends `decided`), unless
+-- Postgres is known to have ended it already ('ad', see abort and unpin).
+if r.s == 'held' and r.ep and r.ep ~= decided and redis.call('HGET', rkey, 'ad') ~= r.ep then return { 'undecided', r.ep } end
 if r.s ~= 'released' then
   if r.s == 'held' then
     local items = decode_items(r.i)

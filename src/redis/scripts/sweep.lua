@@ -33,7 +33,8 @@ for _, rid in ipairs(due) do
   end
   local rkey = base .. 'r:' .. rid
   local r = read_reservation(rkey) or {}
-  if r.s == 'confirming' or (r.s == 'held' and r.ep) then
+  -- Held again after a commit epoch that Postgres is known to have ended ('ad'): a plain expiry, with no need of Postgres.
+  if r.s == 'confirming' or (r.s == 'held' and r.ep and redis.call('HGET', rkey, 'ad') ~= r.ep) then
     -- Its commit's outcome is Postgres' to tell (the caller asks). Its items whose hold is no longer its own need
     -- not wait for that, which may be long with Postgres down: every pin holds the items it selects until the
     -- epoch is decided (finish or abort), so an item whose hold ran out was in no undecided commit. They are free.
