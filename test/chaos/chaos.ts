@@ -58,12 +58,24 @@ async function api(instance: Instance, method: string, path: string, body?: unkn
   return { status: res.status, body: text ? JSON.parse(text) : undefined };
 }
 
+/** Postgres, Redis and the proxy in front of it; should one fail to start, those started are stopped again. */
+async function startServices(): Promise<{ pg: ChaosPostgres; redis: OwnRedis; proxy: ProxyProcess }> {
+  const pg = await ChaosPostgres.create();
+  let redis: OwnRedis | undefined;
+  try {
+    redis = await OwnRedis.start();
+    return { pg, redis, proxy: await ProxyProcess.start(redis.port) };
+  } catch (err) {
+    await redis?.stop().catch(() => undefined);
+    pg.destroy();
+    throw err;
+  }
+}
+
 async function main(): Promise<number> {
   const workDir = mkdtempSync(join(tmpdir(), 'respool-chaos-'));
   say(`${FULL ? 'full' : 'short'} run; logs in ${workDir}`);
-  const pg = await ChaosPostgres.create();
-  const redis = await OwnRedis.start();
-  const proxy = await ProxyProcess.start(redis.port);
+  const { pg, redis, proxy } = await startServices();
   const env = {
     DATABASE_URL: pg.url,
     REDIS_URL: `redis://127.0.0.1:${proxy.port}`,

@@ -62,7 +62,8 @@ describe('respool_allocate: a batch of commits', () => {
     const owner = `owner-of-${c.rid}`;
     for (const i of c.items) expect(await items(i.id)).toEqual({ state: 2, version: i.version + 1, owner });
     expect(await history(c.rid)).toEqual(
-      c.items.map((i) => ({ id: i.id, version: i.version + 1, owner })).sort((a, b) => (a.id < b.id ? -1 : 1)),
+      // In id order, as the query gives them: ids are numbers.
+      c.items.map((i) => ({ id: i.id, version: i.version + 1, owner })).sort((a, b) => Number(a.id) - Number(b.id)),
     );
     expect(await commitRow(c.rid)).toEqual({ ids: c.items.map((i) => i.id), body: { rid: c.rid } });
     expect(await decisions(c.rid)).toContainEqual({ epoch: c.epoch ?? 1, decision: 'commit' });
@@ -89,6 +90,8 @@ describe('respool_allocate: a batch of commits', () => {
   // fails, and the commits then run one by one.
   let next = 10;
   const free = () => ({ id: ids[next++], version: 0 });
+  /** Items a case had allocated by another commit first. */
+  const takenFirst = new Set<string>();
   const cases: { kind: string; answer: string; failing: () => Promise<Commit> }[] = [
     {
       kind: 'a version that moved on',
@@ -103,7 +106,12 @@ describe('respool_allocate: a batch of commits', () => {
     {
       kind: 'two items, the second already allocated (the first must not stay allocated either)',
       answer: 'conflict',
-      failing: async () => ({ rid: rid('half'), items: [free(), { id: ids[0], version: 0 }] }),
+      failing: async () => {
+        const taken = free();
+        expect(await allocate([{ rid: rid('half-taker'), items: [taken] }])).toEqual(['committed']);
+        takenFirst.add(taken.id);
+        return { rid: rid('half'), items: [free(), taken] };
+      },
     },
     {
       kind: 'an epoch already ended',
@@ -136,7 +144,8 @@ describe('respool_allocate: a batch of commits', () => {
     expect(await history(bad.rid)).toEqual([]);
     if (answer !== 'duplicate') expect(await commitRow(bad.rid)).toBeUndefined();
     expect((await decisions(bad.rid)).filter((d) => d.decision === 'commit')).toEqual([]);
-    for (const i of bad.items.filter((i) => i.id !== ids[0])) expect(await items(i.id)).toEqual({ state: 1, version: 0, owner: null });
+    for (const i of bad.items.filter((i) => !takenFirst.has(i.id)))
+      expect(await items(i.id)).toEqual({ state: 1, version: 0, owner: null });
   });
 
   it('an item that an earlier commit of the same batch allocates: that one lands, this one conflicts', async () => {

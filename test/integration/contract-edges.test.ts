@@ -20,7 +20,6 @@ describe('API.md edges', () => {
     // by any count. class-validator's isLength counts each "a\uFE0F" as one, so validation lets it through
     // and Postgres' varchar(256) refuses it.
     const value = 'a\uFE0F'.repeat(200);
-    expect([...value].length).toBe(400);
     const answer = await api.post('/v1/pools/long-value/resources', { items: [{ value: '13900000000' }, { value }] });
     expect(answer.status).toBe(400);
     expect(answer.body.error.code).toBe('VALIDATION_FAILED');

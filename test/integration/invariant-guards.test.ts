@@ -76,7 +76,9 @@ describe('invariant mechanisms, each guarded', () => {
     expect(one.body.items[0].resourceId).toBe(other);
   });
 
-  it('invariant 6: a confirm answered 503 (Postgres unreachable) leaves the reservation held: it can be released at once', async () => {
+  // The next two inject the failure at the repository, to reach one exact step; recovery.test.ts cuts the real
+  // connections (a proxy, a stopped redis-server) for the same answers.
+  it('invariant 6: a confirm answered 503 (its Postgres call refused, injected) leaves the reservation held: it can be released at once', async () => {
     await seedPool(api, 'p19', numbers(2));
     const r = await api.post('/v1/pools/p19/reservations', { owner: 'payer', count: 2 });
     const down = vi
@@ -94,7 +96,7 @@ describe('invariant mechanisms, each guarded', () => {
     expect(await api.stats('p19')).toEqual({ total: 2, free: 2, held: 0, allocated: 0 });
   });
 
-  it('invariant 6: releasing an allocated item while Redis is unreachable is 503 and changes nothing', async () => {
+  it('invariant 6: releasing an allocated item while Redis refuses (injected) is 503 and changes nothing', async () => {
     await seedPool(api, 'p20', numbers(1));
     const r = await api.post('/v1/pools/p20/reservations', { owner: 'o', count: 1 });
     const id = r.body.items[0].resourceId;

@@ -55,7 +55,7 @@ interface SeqConfig {
   expiry: boolean;
 }
 
-async function runSequence(world: TestWorld, apis: TestInstance[], seed: number, steps: number) {
+async function runSequence(world: TestWorld, apis: TestInstance[], seed: number, steps: number, coverage: Map<string, number>) {
   const rng = new Rng(seed * 7919 + 17);
   const cfg: SeqConfig = {
     n: rng.int(6, 12),
@@ -387,6 +387,7 @@ async function runSequence(world: TestWorld, apis: TestInstance[], seed: number,
       [allocated.length ? 2 : 0, 'parRelease'],
       [cfg.expiry && open.length ? 2 : 0, 'shortExtend'],
     ]);
+    coverage.set(op, (coverage.get(op) ?? 0) + 1);
     switch (op) {
       case 'reserve':
         await reserve(step, newBody(), undefined, 'new');
@@ -667,7 +668,15 @@ describe('model-based: the reservation lifecycle against API.md, on two instance
   it('random sequences of reserves, replays, extends, confirms, releases and expiries agree with the model', async () => {
     const seeds = parseSeeds(process.env.MODEL_SEEDS ?? '1-10');
     const steps = Number(process.env.MODEL_STEPS ?? 40);
-    const failures = await mismatches(seeds, (seed) => runSequence(world, apis, seed, steps));
+    const coverage = new Map<string, number>();
+    const failures = await mismatches(seeds, (seed) => runSequence(world, apis, seed, steps, coverage));
     expect(failures).toEqual([]);
+    if (seeds.length * steps >= 400) {
+      // The walk reached what it is for: confirms (alone, after expiry, and racing each other or a DELETE),
+      // releases and extends.
+      for (const op of ['confirm', 'confirmExpired', 'parConfirmSame', 'parConfirmDiff', 'parDeleteConfirm', 'releaseOwner', 'extend']) {
+        expect(coverage.get(op) ?? 0, `${op}: ${JSON.stringify(Object.fromEntries(coverage))}`).toBeGreaterThan(0);
+      }
+    }
   }, 600_000);
 });

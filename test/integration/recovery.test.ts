@@ -1,5 +1,6 @@
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { createApp } from '../../src/app.factory.js';
+import type { AppConfig } from '../../src/config/app-config.js';
 import { TestInstance, TestWorld, eventually, numbers, seedPool, sleep, stalledConfirm, reserveWhenFree } from '../support/harness.js';
 import { OwnRedis, TcpProxy, freePort } from '../support/services.js';
 import { StartupError } from '../../src/common/dependency-errors.js';
@@ -10,6 +11,16 @@ import { poolKeys } from '../../src/redis/keys.js';
 // Invariants 4, 5 and 6 under lost dependencies. This file runs its own redis-server, so it may
 // flush, stop and restart it without touching the machine's Redis, and reaches Postgres through a
 // proxy it can cut.
+/**
+ * createApp of a configuration it must refuse: its error. Should it start all the same, it is closed at once (its
+ * pools and sweeper would outlive the test) and the promise rejects with "started", which no assertion expects.
+ */
+async function refusedStart(config: AppConfig): Promise<never> {
+  const app = await createApp(config, { logger: false });
+  await app.close();
+  throw new Error('the instance started, though it should have refused to');
+}
+
 describe('recovery: Redis wiped or down, Postgres down, an instance gone', () => {
   let redis: OwnRedis;
   let world: TestWorld;
@@ -21,8 +32,11 @@ describe('recovery: Redis wiped or down, Postgres down, an instance gone', () =>
     api = await world.start({ RECONCILE_INTERVAL_MS: '0' });
   });
   afterAll(async () => {
-    await world.cleanup();
-    await redis.stop();
+    try {
+      await world.cleanup();
+    } finally {
+      await redis.stop();
+    }
   });
 
   /**
@@ -404,18 +418,13 @@ describe('recovery: Redis wiped or down, Postgres down, an instance gone', () =>
 
   it('refuses to start when Postgres or Redis cannot be reached, saying which and where (never the password)', async () => {
     const closed = await freePort();
-    const noPostgres = createApp(
+    const noPostgres = refusedStart(
       world.config({ DATABASE_URL: `postgres://postgres:S3cret@127.0.0.1:${closed}/x`, DB_TIMEOUT_MS: '1000' }),
-      {
-        logger: false,
-      },
     );
     await expect(noPostgres).rejects.toBeInstanceOf(StartupError);
     await expect(noPostgres).rejects.toThrow(new RegExp(`^Postgres at 127\\.0\\.0\\.1:${closed} cannot be reached: `));
     await expect(noPostgres).rejects.not.toThrow(/S3cret/);
-    const noRedis = createApp(world.config({ REDIS_URL: `redis://:S3cret@127.0.0.1:${closed}`, REDIS_TIMEOUT_MS: '500' }), {
-      logger: false,
-    });
+    const noRedis = refusedStart(world.config({ REDIS_URL: `redis://:S3cret@127.0.0.1:${closed}`, REDIS_TIMEOUT_MS: '500' }));
     await expect(noRedis).rejects.toBeInstanceOf(StartupError);
     // The socket's own error, not ioredis' "Connection is closed.".
     await expect(noRedis).rejects.toThrow(new RegExp(`^Redis at 127\\.0\\.0\\.1:${closed} cannot be reached: connect ECONNREFUSED`));
@@ -428,7 +437,7 @@ describe('recovery: Redis wiped or down, Postgres down, an instance gone', () =>
     try {
       const url = new URL(world.config().DATABASE_URL);
       url.username = role;
-      await expect(createApp(world.config({ DATABASE_URL: url.toString() }), { logger: false })).rejects.toThrow(
+      await expect(refusedStart(world.config({ DATABASE_URL: url.toString() }))).rejects.toThrow(
         new RegExp(`^Postgres at 127\\.0\\.0\\.1:${url.port || 5432} refused the connection: role "${role}" is not permitted to log in`),
       );
     } finally {
@@ -441,7 +450,7 @@ describe('recovery: Redis wiped or down, Postgres down, an instance gone', () =>
       admin.disconnect();
       const wrong = new URL(locked.url);
       wrong.password = 'wrong';
-      await expect(createApp(world.config({ REDIS_URL: wrong.toString() }), { logger: false })).rejects.toThrow(
+      await expect(refusedStart(world.config({ REDIS_URL: wrong.toString() }))).rejects.toThrow(
         new RegExp(`^Redis at 127\\.0\\.0\\.1:${locked.port} refused the connection: WRONGPASS`),
       );
     } finally {
@@ -452,9 +461,9 @@ describe('recovery: Redis wiped or down, Postgres down, an instance gone', () =>
   it('says in one line what Postgres or Redis refused at start-up: creating the database, a migration, a Redis database number, INFO', async () => {
     const role = `respool_limited_${process.pid}`;
     const existing = `${world.config().DATABASE_URL.split('/').pop()}_limited`;
-    await world.query(`CREATE ROLE ${role} LOGIN NOCREATEDB`);
-    await world.query(`CREATE DATABASE ${existing}`);
     try {
+      await world.query(`CREATE ROLE ${role} LOGIN NOCREATEDB`);
+      await world.query(`CREATE DATABASE ${existing}`);
       const as = (database: string) => {
         const url = new URL(world.config().DATABASE_URL);
         url.username = role;
@@ -463,16 +472,19 @@ describe('recovery: Redis wiped or down, Postgres down, an instance gone', () =>
       };
       const where = `Postgres at 127\\.0\\.0\\.1:${new URL(world.config().DATABASE_URL).port || 5432}`;
       // Its database is missing, and it may not create one.
-      await expect(createApp(world.config({ DATABASE_URL: as(`${existing}_missing`) }), { logger: false })).rejects.toThrow(
+      await expect(refusedStart(world.config({ DATABASE_URL: as(`${existing}_missing`) }))).rejects.toThrow(
         new RegExp(`^${where} refused to create database "${existing}_missing": permission denied to create database \\(create it,`),
       );
       // Its database exists, and it may not create tables in it (Postgres 15: no CREATE on schema public).
-      await expect(createApp(world.config({ DATABASE_URL: as(existing) }), { logger: false })).rejects.toThrow(
+      await expect(refusedStart(world.config({ DATABASE_URL: as(existing) }))).rejects.toThrow(
         new RegExp(`^${where} refused a migration: permission denied for schema public$`),
       );
     } finally {
-      await world.query(`DROP DATABASE ${existing} WITH (FORCE)`);
-      await world.query(`DROP ROLE ${role}`);
+      try {
+        await world.query(`DROP DATABASE IF EXISTS ${existing} WITH (FORCE)`);
+      } finally {
+        await world.query(`DROP ROLE IF EXISTS ${role}`);
+      }
     }
     const own = await OwnRedis.start();
     try {
@@ -481,10 +493,10 @@ describe('recovery: Redis wiped or down, Postgres down, an instance gone', () =>
       admin.disconnect();
       const at = `Redis at 127\\.0\\.0\\.1:${own.port}`;
       // ioredis only warns when its SELECT fails, and would go on in database 0.
-      await expect(createApp(world.config({ REDIS_URL: `${own.url}/99` }), { logger: false })).rejects.toThrow(
+      await expect(refusedStart(world.config({ REDIS_URL: `${own.url}/99` }))).rejects.toThrow(
         new RegExp(`^${at} refused database 99: ERR DB index is out of range`),
       );
-      await expect(createApp(world.config({ REDIS_URL: `redis://noinfo:pw@127.0.0.1:${own.port}` }), { logger: false })).rejects.toThrow(
+      await expect(refusedStart(world.config({ REDIS_URL: `redis://noinfo:pw@127.0.0.1:${own.port}` }))).rejects.toThrow(
         new RegExp(`^${at} refused INFO: NOPERM`),
       );
     } finally {
@@ -513,7 +525,7 @@ describe('recovery: Redis wiped or down, Postgres down, an instance gone', () =>
     const evicting = await OwnRedis.start(['--maxmemory-policy', 'allkeys-lru']);
     try {
       const where = new URL(evicting.url);
-      await expect(createApp(world.config({ REDIS_URL: evicting.url }), { logger: false })).rejects.toThrow(
+      await expect(refusedStart(world.config({ REDIS_URL: evicting.url }))).rejects.toThrow(
         `Redis at ${where.hostname}:${where.port} has maxmemory-policy "allkeys-lru"; respool needs "noeviction"`,
       );
     } finally {

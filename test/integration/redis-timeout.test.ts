@@ -65,8 +65,11 @@ describe('a reserve that got no answer in time', () => {
     api = await world.start({ REDIS_URL: own.url, REDIS_TIMEOUT_MS: '200', RECONCILE_INTERVAL_MS: '0' });
   });
   afterAll(async () => {
-    await world.cleanup();
-    await own.stop();
+    try {
+      await world.cleanup();
+    } finally {
+      await own.stop();
+    }
   });
 
   /** `request` sent while Redis is busy for `ms` (a long script elsewhere, a stalled disk); its answer once Redis is free. */
@@ -137,21 +140,24 @@ describe('a reserve that got no answer in time', () => {
       .spyOn(holds, 'undoReserve')
       .mockRejectedValueOnce(DomainError.unavailable('redis', new Error('Connection is closed.')));
     try {
-      const r = await api.post('/v1/pools/reply-lost/reservations', { owner: 'buyer', count: 3 });
-      expect(r.status).toBe(503);
-      expect(lost).toHaveBeenCalled();
-      expect(undoFails).toHaveBeenCalledTimes(1);
+      try {
+        const r = await api.post('/v1/pools/reply-lost/reservations', { owner: 'buyer', count: 3 });
+        expect(r.status).toBe(503);
+        expect(lost).toHaveBeenCalled();
+        expect(undoFails).toHaveBeenCalledTimes(1);
+      } finally {
+        lost.mockRestore();
+      }
+      // The sweeper's upkeep sends the undo again: the items are free, and the owner's quota is not used up.
+      const { value } = await eventually(async () => {
+        const again = await api.post('/v1/pools/reply-lost/reservations', { owner: 'buyer', count: 3 });
+        return again.status === 201 && again;
+      }, 3000);
+      expect(value.body.items).toHaveLength(3);
+      expect(undoFails.mock.calls.length).toBeGreaterThan(1);
     } finally {
-      lost.mockRestore();
+      undoFails.mockRestore();
     }
-    // The sweeper's upkeep sends the undo again: the items are free, and the owner's quota is not used up.
-    const { value } = await eventually(async () => {
-      const again = await api.post('/v1/pools/reply-lost/reservations', { owner: 'buyer', count: 3 });
-      return again.status === 201 && again;
-    }, 3000);
-    expect(value.body.items).toHaveLength(3);
-    expect(undoFails.mock.calls.length).toBeGreaterThan(1);
-    undoFails.mockRestore();
   });
 
   it('a reserve that was never sent (no connection: ioredis refuses it at once) is answered 503 and needs no undo', async () => {

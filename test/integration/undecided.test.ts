@@ -518,6 +518,9 @@ describe('commits whose outcome the caller never saw', () => {
           // b's confirm arrived long before expiresAt, its hold intact: API.md says it succeeds.
           expect(answerB.status, JSON.stringify(answerB.body)).toBe(200);
         } finally {
+          // Should an expectation fail first, the held-up commits still end, and the instances can close.
+          aGate.open();
+          aDone.open();
           aAllocate.mockRestore();
           bAllocate.mockRestore();
         }

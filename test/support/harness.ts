@@ -102,11 +102,13 @@ export class TestWorld {
     return (await this.sql.query(text, params)).rows as T[];
   }
 
+  /** Drops it all; each step runs whatever the others did, and the first failure is thrown at the end. */
   async cleanup(): Promise<void> {
     for (const instance of this.instances.splice(0)) await instance.close().catch(() => undefined);
-    await this.sql?.end();
-    await dropDatabase(this.dbName);
-    await deleteKeys(this.env.REDIS_URL ?? REDIS_URL, this.prefix);
+    const steps = await Promise.allSettled([this.sql?.end()]);
+    steps.push(...(await Promise.allSettled([dropDatabase(this.dbName), deleteKeys(this.env.REDIS_URL ?? REDIS_URL, this.prefix)])));
+    const failed = steps.find((step): step is PromiseRejectedResult => step.status === 'rejected');
+    if (failed) throw failed.reason;
   }
 }
 
