@@ -10,6 +10,19 @@ import { CommitService } from '../../src/reservations/commit.service.js';
 import { DomainError } from '../../src/common/errors.js';
 import { TestInstance, TestWorld, eventually, numbers, seedPool, sleep, stalledConfirm, staleReadAt } from '../support/harness.js';
 
+/**
+ * ResourceRepository.allocate as Postgres too slow for the commit window (1 s in the tests that use it) makes it:
+ * the commit gets there after the sweeper gave its epoch up. Take it before spying on allocate.
+ */
+function afterItsWindow(resources: ResourceRepository): ResourceRepository['allocate'] {
+  const allocate = resources.allocate.bind(resources);
+  return async (allocation) => {
+    await sleep(1200);
+    await resources.decideAbort(allocation.reservationId, allocation.epoch);
+    return allocate(allocation);
+  };
+}
+
 /** A promise the test resolves when it chooses: `open()` lets whatever awaits `opened` go on. */
 function gate(): { opened: Promise<void>; open: () => void } {
   let open!: () => void;
@@ -233,13 +246,9 @@ describe('commits whose outcome the caller never saw', () => {
       const r = await quick.post('/v1/pools/slow-commit/reservations', { owner: 'buyer', count: 2, ttlMs: 60_000 });
       const chosen = r.body.items[0].resourceId;
       const resources = quick.app.get(ResourceRepository);
-      const allocate = resources.allocate.bind(resources);
       // The first commit reaches Postgres after its window, once the sweeper has decided to give its epoch up.
-      const slow = vi.spyOn(resources, 'allocate').mockImplementationOnce(async (allocation) => {
-        await sleep(1200);
-        await resources.decideAbort(allocation.reservationId, allocation.epoch);
-        return allocate(allocation);
-      });
+      const late = afterItsWindow(resources);
+      const slow = vi.spyOn(resources, 'allocate').mockImplementationOnce(late);
       try {
         const confirmed = await quick.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [chosen] });
         expect(confirmed.status, JSON.stringify(confirmed.body)).toBe(200);
@@ -267,13 +276,8 @@ describe('commits whose outcome the caller never saw', () => {
       const r = await quick.post('/v1/pools/slower-commit/reservations', { owner: 'buyer', count: 2, ttlMs: 60_000 });
       const chosen = r.body.items[0].resourceId;
       const resources = quick.app.get(ResourceRepository);
-      const allocate = resources.allocate.bind(resources);
       // Both commits reach Postgres after their windows, once their epochs were given up.
-      const late = async (allocation: Parameters<typeof allocate>[0]) => {
-        await sleep(1200);
-        await resources.decideAbort(allocation.reservationId, allocation.epoch);
-        return allocate(allocation);
-      };
+      const late = afterItsWindow(resources);
       const slow = vi.spyOn(resources, 'allocate').mockImplementationOnce(late).mockImplementationOnce(late);
       try {
         const refused = await quick.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [chosen] });
