@@ -1,5 +1,5 @@
 import 'reflect-metadata';
-import { NestFactory, Reflector } from '@nestjs/core';
+import { NestFactory } from '@nestjs/core';
 import { FastifyAdapter, NestFastifyApplication } from '@nestjs/platform-fastify';
 import { DocumentBuilder, SwaggerModule } from '@nestjs/swagger';
 import type { FastifyError, FastifyReply, FastifyRequest } from 'fastify';
@@ -7,7 +7,7 @@ import { randomUUID } from 'node:crypto';
 import type { IncomingMessage } from 'node:http';
 import type { Redis } from 'ioredis';
 import { AppModule } from './app.module.js';
-import { API_KEY_SCHEME, ApiKeyGuard, parseApiKeys } from './common/auth.js';
+import { API_KEY_SCHEME, RouteRoles, keyRefusal, parseApiKeys } from './common/auth.js';
 import { createValidationPipe } from './common/validation.js';
 import { addValidationLimits } from './common/openapi-limits.js';
 import { addBodyLimitResponses } from './common/api-errors.decorator.js';
@@ -108,7 +108,8 @@ export async function createApp(config: AppConfig, options: { logger?: boolean }
   }
 
   app.useGlobalPipes(createValidationPipe());
-  if (config.API_KEYS !== '') app.useGlobalGuards(new ApiKeyGuard(parseApiKeys(config.API_KEYS).keys, app.get(Reflector)));
+  // Roles of API keys, by the key's digest; none: every call is open.
+  const apiKeys = config.API_KEYS === '' ? undefined : parseApiKeys(config.API_KEYS).keys;
 
   const fastify = app.getHttpAdapter().getInstance();
   const metrics = app.get(MetricsService);
@@ -134,9 +135,10 @@ export async function createApp(config: AppConfig, options: { logger?: boolean }
     )
       delete headers['content-type'];
     let refused: DomainError | undefined;
-    if (closing) {
-      refused = DomainError.shuttingDown();
-    } else if (req.url.includes('?') && req.url.startsWith('/v1/')) {
+    if (closing) refused = DomainError.shuttingDown();
+    // The key is checked before the body is read: a caller without one learns nothing and costs little.
+    else if (apiKeys !== undefined) refused = keyRefusal(apiKeys, req.routeOptions.config as RouteRoles, headers);
+    if (refused === undefined && req.url.includes('?') && req.url.startsWith('/v1/')) {
       // No call of the API takes a query string (API.md): a field in one is refused like any unknown field.
       const fields = Object.keys(req.query as object);
       if (fields.length > 0)

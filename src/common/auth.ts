@@ -1,8 +1,8 @@
-import { applyDecorators, CanActivate, ExecutionContext, SetMetadata } from '@nestjs/common';
-import { Reflector } from '@nestjs/core';
+import { applyDecorators } from '@nestjs/common';
+import { RouteConfig } from '@nestjs/platform-fastify';
 import { ApiBearerAuth, ApiExtraModels, ApiResponse, ApiSecurity, getSchemaPath } from '@nestjs/swagger';
-import type { FastifyRequest } from 'fastify';
 import { createHash } from 'node:crypto';
+import type { IncomingHttpHeaders } from 'node:http';
 import { ErrorResponseDto } from './api-errors.decorator.js';
 import { DomainError, ErrorCode } from './errors.js';
 
@@ -10,21 +10,27 @@ import { DomainError, ErrorCode } from './errors.js';
 export const ROLES = ['admin', 'client', 'reviewer'] as const;
 export type Role = (typeof ROLES)[number];
 
-const ROLES_METADATA = 'respool:roles';
 /** The OpenAPI security scheme of the X-API-Key header (the other is the standard bearer scheme). */
 export const API_KEY_SCHEME = 'apiKey';
 export const API_KEY_HEADER = 'x-api-key';
 /** An API key: 16-256 characters that need no quoting in an env var list (no ",", ":" or space). */
 const API_KEY = /^[A-Za-z0-9._~+/=-]{16,256}$/;
 
+/** What @Roles puts in a route's Fastify config, for the onRequest hook (app.factory.ts) to check. */
+export interface RouteRoles {
+  roles?: readonly Role[];
+}
+
 /**
- * The roles that may call a route (API.md). With API_KEYS set, the request must carry a key of one of them
- * (ApiKeyGuard); a route without roles (health, metrics, docs) is open to all.
+ * The roles that may call a route (API.md). With API_KEYS set, the request must carry a key of one of them: checked
+ * in the first request hook (keyRefusal), before the body is read or parsed. A route without roles (health,
+ * metrics, docs) is open to all.
  */
 export function Roles(...roles: Role[]): MethodDecorator {
   const error = { $ref: getSchemaPath(ErrorResponseDto) };
+  const config: RouteRoles = { roles };
   return applyDecorators(
-    SetMetadata(ROLES_METADATA, roles),
+    RouteConfig(config),
     ApiBearerAuth(),
     ApiSecurity(API_KEY_SCHEME),
     ApiExtraModels(ErrorResponseDto),
@@ -66,7 +72,7 @@ export function parseApiKeys(spec: string): { keys: Map<string, Role>; problems:
 }
 
 /** The key a request carries: `Authorization: Bearer <key>` or `X-API-Key: <key>`. */
-function presentedKey(headers: FastifyRequest['headers']): string | undefined {
+function presentedKey(headers: IncomingHttpHeaders): string | undefined {
   const authorization = headers.authorization;
   if (typeof authorization === 'string') {
     const bearer = /^Bearer +(\S+) *$/i.exec(authorization);
@@ -77,36 +83,28 @@ function presentedKey(headers: FastifyRequest['headers']): string | undefined {
 }
 
 /**
- * Checks the caller's key against the route's roles (installed only when API_KEYS is set): 401 UNAUTHENTICATED
- * without a valid key, 403 FORBIDDEN with a key of another role. It runs before validation, so a caller
- * without a key learns nothing about the body it sent.
+ * Why a request may not call its route, if it may not: 401 UNAUTHENTICATED without a valid key, 403 FORBIDDEN with
+ * a key of another role. `route`: the matched route's config (none for a path no route matches: its 404 is open).
  */
-export class ApiKeyGuard implements CanActivate {
-  constructor(
-    private readonly keys: Map<string, Role>,
-    private readonly reflector: Reflector,
-  ) {}
-
-  canActivate(context: ExecutionContext): boolean {
-    const allowed = this.reflector.get<Role[] | undefined>(ROLES_METADATA, context.getHandler());
-    if (allowed === undefined) return true;
-    const key = presentedKey(context.switchToHttp().getRequest<FastifyRequest>().headers);
-    const role = key === undefined ? undefined : this.keys.get(digest(key));
-    if (role === undefined) {
-      throw new DomainError(
-        ErrorCode.UNAUTHENTICATED,
-        key === undefined
-          ? 'this call needs an API key: send it as "Authorization: Bearer <key>" or in the X-API-Key header'
-          : 'the API key sent is not valid',
-        { roles: allowed },
-      );
-    }
-    if (!allowed.includes(role)) {
-      throw new DomainError(ErrorCode.FORBIDDEN, `a key of role "${role}" may not make this call; it needs ${allowed.join(' or ')}`, {
-        role,
-        roles: allowed,
-      });
-    }
-    return true;
+export function keyRefusal(keys: Map<string, Role>, route: RouteRoles | undefined, headers: IncomingHttpHeaders): DomainError | undefined {
+  const allowed = route?.roles;
+  if (allowed === undefined) return undefined;
+  const key = presentedKey(headers);
+  const role = key === undefined ? undefined : keys.get(digest(key));
+  if (role === undefined) {
+    return new DomainError(
+      ErrorCode.UNAUTHENTICATED,
+      key === undefined
+        ? 'this call needs an API key: send it as "Authorization: Bearer <key>" or in the X-API-Key header'
+        : 'the API key sent is not valid',
+      { roles: allowed },
+    );
   }
+  if (!allowed.includes(role)) {
+    return new DomainError(ErrorCode.FORBIDDEN, `a key of role "${role}" may not make this call; it needs ${allowed.join(' or ')}`, {
+      role,
+      roles: allowed,
+    });
+  }
+  return undefined;
 }

@@ -47,6 +47,12 @@ export class MetricsService {
     registers: [this.registry],
   });
 
+  readonly waitingReserves = new Gauge({
+    name: 'respool_waiting_reserves',
+    help: 'Reserves waiting for free items (waitMs) on this instance now; at MAX_WAITING_RESERVES one more is refused 429',
+    registers: [this.registry],
+  });
+
   readonly rebuilds = new Counter({
     name: 'respool_rebuilds_total',
     help: 'Rebuilds of the Redis free index from Postgres run by this instance, by reason',

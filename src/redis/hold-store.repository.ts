@@ -272,7 +272,7 @@ export class HoldStore implements OnApplicationShutdown {
       // holding anything. Its Idempotency-Key, if it names it, is forgotten, so that a retry with the key makes
       // a new reservation rather than replay a released one.
       if (err instanceof DomainError && err.code === ErrorCode.DEPENDENCY_UNAVAILABLE && !neverSent(err)) {
-        await this.undoReserve(pool, req.reservationId, req.idempotencyKey).catch(() => this.undoLater(pool, req));
+        await this.giveBack(pool, req);
       }
       throw err;
     }
@@ -379,6 +379,11 @@ export class HoldStore implements OnApplicationShutdown {
 
   /** Reserves that got no answer and could not be undone yet (Redis unreachable), by reservation id. */
   private readonly undos = new Later<{ pool: string; reservationId: string; idempotencyKey?: string }>(MAX_PENDING_UNDOS);
+
+  /** Undoes a reserve now (undoReserve), or, if Redis refuses, later (undoLater). Never fails. */
+  async giveBack(pool: string, req: ReserveRequest): Promise<void> {
+    await this.undoReserve(pool, req.reservationId, req.idempotencyKey).catch(() => this.undoLater(pool, req));
+  }
 
   private undoLater(pool: string, req: ReserveRequest): void {
     if (!this.undos.add(req.reservationId, { pool, reservationId: req.reservationId, idempotencyKey: req.idempotencyKey })) {

@@ -71,7 +71,7 @@ export class CreateReservationDto {
 
   @ApiPropertyOptional({
     description:
-      'How long to wait for free items, ms (0-30000). While fewer than `count` match, the reserve tries again every 25-250 ms ' +
+      'How long to wait for free items, ms (0-30000). While fewer than `count` match, the reserve tries again every 25-375 ms ' +
       'until it holds them or waitMs has passed (then 409 POOL_EXHAUSTED); not in arrival order. A filter too rare to be ' +
       'searched in full, a replayed Idempotency-Key and the owner quota answer at once.',
     default: 0,

@@ -43,18 +43,20 @@ export class ReservationsController {
       void reply.status(answer.created ? 201 : 200);
       return answer.reservation;
     }
-    // A reserve that may wait stops waiting when its caller hangs up: the response closes before it was sent.
+    // A reserve that may wait stops waiting when its caller hangs up: its connection closes (watched until the
+    // answer is ready, before it is written). The socket, not the response: a pipelined request's response has
+    // none yet, and is not told.
     const gone = new AbortController();
-    const hungUp = (): void => {
-      if (!reply.raw.writableFinished) gone.abort();
-    };
-    reply.raw.once('close', hungUp);
+    const hungUp = (): void => gone.abort();
+    const socket = reply.request.raw.socket;
+    socket.once('close', hungUp);
+    if (socket.destroyed) gone.abort();
     try {
       const answer = await this.reservations.reserve(params.pool, dto, idempotencyKey, gone.signal);
       void reply.status(answer.created ? 201 : 200);
       return answer.reservation;
     } finally {
-      reply.raw.off('close', hungUp);
+      socket.off('close', hungUp);
     }
   }
 

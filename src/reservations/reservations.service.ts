@@ -16,9 +16,9 @@ import { committedReservationDto, toConfirmResult, toReservationDto } from './re
 export const IDEMPOTENCY_KEY = /^[\x21-\x7e]{1,255}$/;
 
 /**
- * A reserve with `waitMs` tries again after WAIT_FIRST_PAUSE_MS, the pause doubling up to WAIT_MAX_PAUSE_MS (each
- * drawn at random from its upper half, so that waiters spread out): an item freed anywhere is found within about
- * WAIT_MAX_PAUSE_MS, and a waiter costs Redis at most one reserve script per pause.
+ * A reserve with `waitMs` tries again after WAIT_FIRST_PAUSE_MS, the pause doubling up to WAIT_MAX_PAUSE_MS, each
+ * wait drawn at random between the pause and 1.5 times it (so that waiters spread out): an item freed anywhere is
+ * found within 1.5 × WAIT_MAX_PAUSE_MS, and a waiter costs Redis at most one reserve script per pause.
  */
 export const WAIT_FIRST_PAUSE_MS = 25;
 export const WAIT_MAX_PAUSE_MS = 250;
@@ -67,8 +67,8 @@ export class ReservationsService implements OnModuleDestroy {
   ) {}
 
   /**
-   * `gone`: the caller hung up (a reserve waiting for free items stops waiting; one that has held items keeps
-   * them, to expire, as when the answer is lost on its way).
+   * `gone`: the caller hung up: a reserve waiting for free items stops waiting, and one that held them meanwhile
+   * gives them back.
    */
   async reserve(
     poolName: string,
@@ -134,8 +134,9 @@ export class ReservationsService implements OnModuleDestroy {
    * (a filter that matches too rarely: trying again would cost as much and find as little) end the wait at once.
    */
   private async reserveOrWait(pool: string, request: ReserveRequest, waitMs: number, gone?: AbortSignal): Promise<ReserveResult> {
-    let result = await this.holds.reserve(pool, request);
-    if (waitMs === 0 || result.status !== 'exhausted' || result.limited) return result;
+    if (waitMs === 0) return this.holds.reserve(pool, request);
+    let result = await this.tryFor(pool, request, gone);
+    if (result.status !== 'exhausted' || result.limited) return result;
     const most = this.config.MAX_WAITING_RESERVES;
     if (this.waiting >= most) {
       throw new DomainError(
@@ -146,20 +147,34 @@ export class ReservationsService implements OnModuleDestroy {
     }
     const deadline = Date.now() + waitMs;
     this.waiting++;
+    this.metrics.waitingReserves.inc();
     try {
       for (let pause = WAIT_FIRST_PAUSE_MS; ; pause = Math.min(2 * pause, WAIT_MAX_PAUSE_MS)) {
         const left = deadline - Date.now();
         if (left <= 0 || gone?.aborted) return result;
-        if (!(await this.pause(Math.min(left, pause / 2 + Math.random() * (pause / 2)), gone))) {
+        if (!(await this.pause(Math.min(left, pause + Math.random() * (pause / 2)), gone))) {
           throw DomainError.shuttingDown();
         }
         if (gone?.aborted) return result;
-        result = await this.holds.reserve(pool, request);
+        result = await this.tryFor(pool, request, gone);
         if (result.status !== 'exhausted' || result.limited) return result;
       }
     } finally {
       this.waiting--;
+      this.metrics.waitingReserves.dec();
     }
+  }
+
+  /**
+   * One try of a reserve that may wait. Should its caller have hung up while the script ran and held the items,
+   * they are given back (as the undo of a reserve that got no answer: a reservation that a keyed request was
+   * answered with stays), and the caller, gone, is answered that none were free.
+   */
+  private async tryFor(pool: string, request: ReserveRequest, gone?: AbortSignal): Promise<ReserveResult> {
+    const result = await this.holds.reserve(pool, request);
+    if (result.status !== 'ok' || !gone?.aborted) return result;
+    await this.holds.giveBack(pool, request);
+    return { status: 'exhausted', limited: false };
   }
 
   /** Resolves true after `ms`, or at once when the caller hangs up; false when the instance shuts down. */

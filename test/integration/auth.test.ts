@@ -31,6 +31,13 @@ describe('API keys', () => {
       expect((await api.post('/v1/pools', { bogus: 1 }, headers)).body.error.code).toBe('UNAUTHENTICATED');
     }
     expect((await api.request('GET', '/v1/pools/nokey', undefined, as(ADMIN))).status).toBe(404);
+    // Before the body is read: not JSON, not a JSON type, a query string, all 401.
+    const early = [
+      await api.request('POST', '/v1/pools', '{"name":', { 'content-type': 'application/json' }),
+      await api.request('POST', '/v1/pools', 'name=x', { 'content-type': 'application/x-www-form-urlencoded' }),
+      await api.request('POST', '/v1/pools?x=1', { name: 'nokey', kind: 'number' }),
+    ];
+    expect(early.map((answer) => [answer.status, answer.body.error.code])).toEqual(Array(3).fill([401, 'UNAUTHENTICATED']));
   });
 
   it('a key of another role is 403 FORBIDDEN and changes nothing; the role API.md names goes through', async () => {

@@ -1,4 +1,5 @@
-import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { afterAll, beforeAll, describe, expect, it, vi } from 'vitest';
+import { HoldStore, ReserveResult } from '../../src/redis/hold-store.repository.js';
 import { TestInstance, TestWorld, numbers, seedPool, sleep } from '../support/harness.js';
 
 type Item = { resourceId: string };
@@ -128,6 +129,45 @@ describe('reserve with waitMs', () => {
     expect(await api.stats('hangup')).toEqual({ total: 2, free: 2, held: 0, allocated: 0 });
   });
 
+  it('a caller that hangs up while a try is holding its items gets nothing held: they are given back', async () => {
+    await seedPool(api, 'left', numbers(2));
+    const blocker = await reserve('left', { owner: 'a', count: 2 });
+    const holds = api.app.get(HoldStore);
+    const real = holds.reserve.bind(holds);
+    const abort = new AbortController();
+    let hit = false;
+    let settle!: (result: ReserveResult) => void;
+    const tried = new Promise<ReserveResult>((resolve) => (settle = resolve));
+    // The try after the items came back holds them, and its caller hangs up while it runs.
+    const spy = vi.spyOn(holds, 'reserve').mockImplementation(async (pool, req) => {
+      const result = await real(pool, req);
+      if (req.owner === 'gone' && result.status === 'ok' && !hit) {
+        hit = true;
+        abort.abort();
+        await sleep(200);
+        settle(result);
+      }
+      return result;
+    });
+    try {
+      const gone = fetch(`${api.url}/v1/pools/left/reservations`, {
+        method: 'POST',
+        headers: { 'content-type': 'application/json' },
+        body: JSON.stringify({ owner: 'gone', count: 2, waitMs: 10_000 }),
+        signal: abort.signal,
+      }).catch((err: Error) => err.name);
+      await sleep(200);
+      expect((await api.del(`/v1/reservations/${blocker.body.id}`)).status).toBe(200);
+      expect(await gone).toBe('AbortError');
+    } finally {
+      spy.mockRestore();
+    }
+    const never = sleep(5_000).then(() => Promise.reject(new Error('no try was made after the items came back')));
+    expect((await Promise.race([tried, never])).status).toBe('ok');
+    await sleep(300);
+    expect(await api.stats('left')).toEqual({ total: 2, free: 2, held: 0, allocated: 0 });
+  });
+
   it('a shutdown answers waiting reserves 503 at once, holding nothing', async () => {
     const other = await world.start();
     await seedPool(other, 'closing', numbers(1));
@@ -154,7 +194,9 @@ describe('reserve with waitMs', () => {
     expect(refused.value.body.error).toMatchObject({ code: 'RATE_LIMITED', details: { waitingReserves: 1 } });
     expect(refused.ms).toBeLessThan(500);
     expect((await narrow.post('/v1/pools/crowded/reservations', { owner: 'c', count: 1 })).status).toBe(409);
+    expect((await narrow.get('/metrics')).body).toMatch(/^respool_waiting_reserves 1$/m);
     expect((await waiting).status).toBe(409);
+    expect((await narrow.get('/metrics')).body).toMatch(/^respool_waiting_reserves 0$/m);
     // Its wait over, the next may wait.
     const after = await timed(() => narrow.post('/v1/pools/crowded/reservations', { owner: 'c', count: 1, waitMs: 300 }));
     expect(after.value.status).toBe(409);
