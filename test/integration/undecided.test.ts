@@ -387,6 +387,47 @@ describe('commits whose outcome the caller never saw', () => {
     }
   });
 
+  it('a confirm in a later epoch that fails past the expiry, its epoch ended, leaves a plain expiry: no wait for Postgres', async () => {
+    const quick = await world.start({ RECONCILE_INTERVAL_MS: '0' });
+    try {
+      await seedPool(quick, 'ended-late', numbers(4, '1396000'), { maxHoldsPerOwner: 2 });
+      const r = await quick.post('/v1/pools/ended-late/reservations', { owner: 'buyer', count: 2, ttlMs: 1500 });
+      const chosen = r.body.items[0].resourceId;
+      const resources = quick.app.get(ResourceRepository);
+      const redis = quick.app.get<Redis>(REDIS);
+      const rkey = `${poolKeys(world.prefix, 'ended-late').base}r:${r.body.id}`;
+      // Epoch 1: its instance died after the pin; the sweeper ended it, and the reservation is held again.
+      await stalledConfirm(quick, 'ended-late', r.body.id, chosen, 200);
+      await eventually(async () => (await redis.hmget(rkey, 's', 'ad')).join() === 'held,1', 3000);
+      // Epoch 2: its commit's answer is lost after the expiry; the confirm ends the epoch in Postgres, then 503.
+      const expiresAt = Date.parse(r.body.expiresAt);
+      const lost = vi.spyOn(resources, 'allocate').mockImplementation(async () => {
+        await sleep(Math.max(0, expiresAt - Date.now()) + 100);
+        throw DomainError.unavailable('postgres', new Error('Query read timeout'));
+      });
+      try {
+        const confirm = await quick.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [chosen] });
+        expect([confirm.status, confirm.body.error.details.outcome]).toEqual([503, undefined]);
+      } finally {
+        lost.mockRestore();
+      }
+      expect(await redis.hmget(rkey, 'ep', 'ad')).toEqual(['2', '2']);
+      // Postgres down: the expiry frees the items and gives the owner's quota back all the same.
+      const down = () => Promise.reject(DomainError.unavailable('postgres', new Error('connect ECONNREFUSED')));
+      const spies = [vi.spyOn(resources, 'decideAbort').mockImplementation(down), vi.spyOn(resources, 'findMany').mockImplementation(down)];
+      try {
+        await sleep(Math.max(0, expiresAt - Date.now()) + 1500);
+        expect(await redis.hget(rkey, 's')).toBe('expired');
+        const again = await quick.post('/v1/pools/ended-late/reservations', { owner: 'buyer', count: 2 });
+        expect(again.status, JSON.stringify(again.body)).toBe(201);
+      } finally {
+        for (const spy of spies) spy.mockRestore();
+      }
+    } finally {
+      await quick.close();
+    }
+  });
+
   it('a confirm that joined a commit keeps it when the other confirm of that commit fails and un-pins', async () => {
     await seedPool(api, 'joined', numbers(1));
     const r = await api.post('/v1/pools/joined/reservations', { owner: 'buyer', count: 1, ttlMs: 1000 });

@@ -63,9 +63,9 @@ index_all(base, back)
 if not restore then
   if not ended then return 0 end
   if expires <= now then
-    -- Past its expiry: left to the sweeper (due once the holds have ended), with the window closed, so that no confirm
-    -- joins the ended epoch (one that comes opens a new one).
-    redis.call('HSET', rkey, 'ad', epoch, 'pw', tostring(now))
+    -- Past its expiry: held, as far as its holds go, and left to the sweeper (due once they have ended), which
+    -- expires it as a plain one without asking Postgres; a confirm that comes in the grace opens a new epoch.
+    redis.call('HSET', rkey, 's', 'held', 'ad', epoch, 'pw', tostring(now))
     redis.call('ZADD', base .. 'exp', math.max(now, expires + grace + 1), rid)
     return 0
   end
