@@ -7,7 +7,7 @@ import { randomUUID } from 'node:crypto';
 import type { IncomingMessage } from 'node:http';
 import type { Redis } from 'ioredis';
 import { AppModule } from './app.module.js';
-import { API_KEY_SCHEME, RouteRoles, keyRefusal, parseApiKeys } from './common/auth.js';
+import { API_KEY_SCHEME, RouteRoles, authorize, parseApiKeys } from './common/auth.js';
 import { createValidationPipe } from './common/validation.js';
 import { addValidationLimits } from './common/openapi-limits.js';
 import { addBodyLimitResponses } from './common/api-errors.decorator.js';
@@ -27,6 +27,8 @@ declare module 'fastify' {
   interface FastifyRequest {
     /** When this instance took the request up (Date.now(), its own clock): the first thing every request does. */
     receivedAtMs: number;
+    /** The owner (or reviewer) the request's API key is bound to, if it is bound to one (common/auth.ts). */
+    actingFor: string | null;
   }
 }
 
@@ -108,12 +110,13 @@ export async function createApp(config: AppConfig, options: { logger?: boolean }
   }
 
   app.useGlobalPipes(createValidationPipe());
-  // Roles of API keys, by the key's digest; none: every call is open.
+  // The callers of API keys (role, bound owner), by the key's digest; none: every call is open.
   const apiKeys = config.API_KEYS === '' ? undefined : parseApiKeys(config.API_KEYS).keys;
 
   const fastify = app.getHttpAdapter().getInstance();
   const metrics = app.get(MetricsService);
   fastify.decorateRequest('receivedAtMs', 0);
+  fastify.decorateRequest('actingFor', null);
   // Shutting down (SIGTERM): what arrives now, on a connection still open, is refused at once with the API's
   // error body; Fastify adds `Connection: close`, so the client's next request goes to another instance.
   let closing = false;
@@ -137,7 +140,11 @@ export async function createApp(config: AppConfig, options: { logger?: boolean }
     let refused: DomainError | undefined;
     if (closing) refused = DomainError.shuttingDown();
     // The key is checked before the body is read: a caller without one learns nothing and costs little.
-    else if (apiKeys !== undefined) refused = keyRefusal(apiKeys, req.routeOptions.config as RouteRoles, headers);
+    else if (apiKeys !== undefined) {
+      const caller = authorize(apiKeys, req.routeOptions.config as RouteRoles, headers);
+      if (caller instanceof DomainError) refused = caller;
+      else req.actingFor = caller?.owner ?? null;
+    }
     if (refused === undefined && req.url.includes('?') && req.url.startsWith('/v1/')) {
       // No call of the API takes a query string (API.md): a field in one is refused like any unknown field.
       const fields = Object.keys(req.query as object);

@@ -43,6 +43,16 @@ export class ErrorDetailDto {
           'DEPENDENCY_UNAVAILABLE of a confirm or a task complete: "unknown" when Postgres could not be asked whether ' +
           'the commit, sent before it stopped answering, landed; the same call again tells (absent: nothing was changed)',
       },
+      roles: {
+        type: 'array',
+        items: { type: 'string', enum: ['admin', 'client', 'reviewer'] },
+        description: 'UNAUTHENTICATED and FORBIDDEN (API_KEYS set): the roles whose keys may make the call',
+      },
+      role: { type: 'string', description: "FORBIDDEN for a key's role: the role of the key sent" },
+      actingFor: {
+        type: 'string',
+        description: 'FORBIDDEN for another owner: the owner (or reviewer) the key sent is bound to',
+      },
       confirmInProgress: {
         type: 'boolean',
         description:

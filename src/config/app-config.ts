@@ -179,8 +179,9 @@ export class AppConfig {
   MAX_WAITING_RESERVES = 1_000;
 
   /**
-   * API keys and their roles, `role:key` separated by commas (roles: admin, client, reviewer). Empty: every call is
-   * open. Set: every /v1 call needs a key of a role API.md allows it (401 without, 403 with another role).
+   * API keys and their roles, `role:key` or `role:key:owner` separated by commas (roles: admin, client, reviewer; an
+   * owner binds a client or reviewer key to it). Empty: every call is open. Set: every /v1 call needs a key of a role
+   * API.md allows it (401 without, 403 with another role, or for another owner than the key's).
    */
   @IsApiKeyList()
   API_KEYS = '';

@@ -1,6 +1,6 @@
 import { Body, Controller, Get, HttpCode, Param, Post } from '@nestjs/common';
 import { ApiCreatedResponse, ApiOkResponse, ApiOperation, ApiTags } from '@nestjs/swagger';
-import { Roles } from '../common/auth.js';
+import { ActingFor, mustActFor, Roles } from '../common/auth.js';
 import { ApiErrors } from '../common/api-errors.decorator.js';
 import { ErrorCode } from '../common/errors.js';
 import {
@@ -72,7 +72,12 @@ export class PoolsController {
   @ApiOperation({ summary: 'Release an allocated item back to the pool (its version is incremented)' })
   @ApiOkResponse({ type: ResourceDto, description: 'The item, free again, its version incremented' })
   @ApiErrors(ErrorCode.VALIDATION_FAILED, ErrorCode.POOL_NOT_FOUND, ErrorCode.RESOURCE_NOT_FOUND, ErrorCode.NOT_ALLOCATED)
-  release(@Param() params: ResourceParams, @Body() dto: ReleaseResourceDto): Promise<ResourceDto> {
+  release(
+    @Param() params: ResourceParams,
+    @Body() dto: ReleaseResourceDto,
+    @ActingFor() actingFor: string | undefined,
+  ): Promise<ResourceDto> {
+    mustActFor(actingFor, dto.owner);
     return this.pools.releaseResource(params.pool, params.id, dto.owner);
   }
 }

@@ -1,7 +1,7 @@
 import { Body, Controller, Delete, Get, Headers, HttpCode, Param, Post, Res } from '@nestjs/common';
 import { ApiBody, ApiCreatedResponse, ApiHeader, ApiOkResponse, ApiOperation, ApiTags } from '@nestjs/swagger';
 import type { FastifyReply } from 'fastify';
-import { Roles } from '../common/auth.js';
+import { ActingFor, mustActFor, Roles } from '../common/auth.js';
 import { ApiErrors } from '../common/api-errors.decorator.js';
 import { ErrorCode } from '../common/errors.js';
 import { NO_BODY, NoBodyPipe } from '../common/validation.js';
@@ -37,7 +37,9 @@ export class ReservationsController {
     @Body() dto: CreateReservationDto,
     @Headers('idempotency-key') idempotencyKey: string | undefined,
     @Res({ passthrough: true }) reply: FastifyReply,
+    @ActingFor() actingFor: string | undefined,
   ): Promise<ReservationDto> {
+    mustActFor(actingFor, dto.owner);
     if (!dto.waitMs) {
       const answer = await this.reservations.reserve(params.pool, dto, idempotencyKey);
       void reply.status(answer.created ? 201 : 200);
@@ -65,7 +67,8 @@ export class ReservationsController {
   @ApiOperation({ summary: 'A reservation and its state' })
   @ApiOkResponse({ type: ReservationDto, description: 'The reservation' })
   @ApiErrors(ErrorCode.VALIDATION_FAILED, ErrorCode.RESERVATION_NOT_FOUND)
-  get(@Param() params: ReservationParams): Promise<ReservationDto> {
+  async get(@Param() params: ReservationParams, @ActingFor() actingFor: string | undefined): Promise<ReservationDto> {
+    await this.reservations.mustOwn(params.id, 'r', actingFor);
     return this.reservations.get(params.id);
   }
 
@@ -75,7 +78,12 @@ export class ReservationsController {
   @ApiOperation({ summary: "Extend a live hold: expiresAt = now + ttlMs, capped by the pool's maxHoldTtlMs" })
   @ApiOkResponse({ type: ReservationDto, description: 'The reservation with its new expiresAt' })
   @ApiErrors(ErrorCode.VALIDATION_FAILED, ErrorCode.RESERVATION_NOT_FOUND, ErrorCode.HOLD_EXPIRED, ErrorCode.RESERVATION_CLOSED)
-  extend(@Param() params: ReservationParams, @Body() dto: ExtendDto): Promise<ReservationDto> {
+  async extend(
+    @Param() params: ReservationParams,
+    @Body() dto: ExtendDto,
+    @ActingFor() actingFor: string | undefined,
+  ): Promise<ReservationDto> {
+    await this.reservations.mustOwn(params.id, 'r', actingFor);
     return this.reservations.extend(params.id, dto.ttlMs);
   }
 
@@ -92,7 +100,12 @@ export class ReservationsController {
     ErrorCode.RESERVATION_CLOSED,
     ErrorCode.NOT_IN_RESERVATION,
   )
-  confirm(@Param() params: ReservationParams, @Body() dto: ConfirmDto): Promise<ConfirmResultDto> {
+  async confirm(
+    @Param() params: ReservationParams,
+    @Body() dto: ConfirmDto,
+    @ActingFor() actingFor: string | undefined,
+  ): Promise<ConfirmResultDto> {
+    await this.reservations.mustOwn(params.id, 'r', actingFor);
     return this.reservations.confirm(params.id, dto.resourceIds);
   }
 
@@ -102,7 +115,12 @@ export class ReservationsController {
   @ApiOkResponse({ type: ReservationDto, description: 'The reservation, released (also when it already was)' })
   @ApiErrors(ErrorCode.VALIDATION_FAILED, ErrorCode.RESERVATION_NOT_FOUND, ErrorCode.RESERVATION_CLOSED)
   @ApiBody(NO_BODY)
-  release(@Param() params: ReservationParams, @Body(NoBodyPipe) _body: unknown): Promise<ReservationDto> {
+  async release(
+    @Param() params: ReservationParams,
+    @Body(NoBodyPipe) _body: unknown,
+    @ActingFor() actingFor: string | undefined,
+  ): Promise<ReservationDto> {
+    await this.reservations.mustOwn(params.id, 'r', actingFor);
     return this.reservations.release(params.id);
   }
 }

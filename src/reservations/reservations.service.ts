@@ -1,5 +1,6 @@
 import { Injectable, OnModuleDestroy } from '@nestjs/common';
 import { randomUUID } from 'node:crypto';
+import { mustActFor } from '../common/auth.js';
 import { DomainError, ErrorCode } from '../common/errors.js';
 import { AppConfig } from '../config/app-config.js';
 import { bodyHash } from '../common/stable-json.js';
@@ -8,7 +9,7 @@ import { MetricsService } from '../metrics/metrics.service.js';
 import { PoolCatalog } from '../pools/pool-catalog.service.js';
 import { HoldStore, ReserveRequest, ReserveResult, StoredReservation } from '../redis/hold-store.repository.js';
 import { makeReservationId, poolOfReservationId } from '../redis/keys.js';
-import { CommitService, notFound } from './commit.service.js';
+import { CommitService, isLeaseCommit, notFound } from './commit.service.js';
 import { ConfirmResultDto, CreateReservationDto, ReservationDto } from './reservation.dto.js';
 import { committedReservationDto, toConfirmResult, toReservationDto } from './reservation.view.js';
 
@@ -198,6 +199,24 @@ export class ReservationsService implements OnModuleDestroy {
   onModuleDestroy(): void {
     this.stopping = true;
     for (const wake of [...this.pauses]) wake(false);
+  }
+
+  /**
+   * For a key bound to an owner (`actingFor`): 403 FORBIDDEN unless the reservation (`kind` 'r') or the lease ('l') is
+   * that owner's; 404 for one of the other kind (owners and reviewers share one space of names). Read before the call
+   * acts: a reservation's owner and kind never change. An unknown one is left to the call (404).
+   */
+  async mustOwn(id: string, kind: 'r' | 'l', actingFor: string | undefined): Promise<void> {
+    if (actingFor === undefined) return;
+    const pool = await poolOf(this.catalog, id);
+    const stored = await this.holds.read(pool.name, id);
+    const committed = stored ? null : await this.committer.landedCommit(id);
+    const found = stored
+      ? { owner: stored.owner, kind: stored.kind }
+      : committed && { owner: committed.owner, kind: isLeaseCommit(committed) ? 'l' : 'r' };
+    if (!found) return;
+    if (found.kind !== kind) throw notFound(id);
+    mustActFor(actingFor, found.owner);
   }
 
   async get(id: string): Promise<ReservationDto> {

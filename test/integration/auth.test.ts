@@ -4,6 +4,11 @@ import { TestInstance, TestWorld, numbers } from '../support/harness.js';
 const ADMIN = 'admin-key-0123456789abcdef';
 const CLIENT = 'client-key-0123456789abcdef';
 const REVIEWER = 'reviewer-key-0123456789abcdef';
+/** Keys bound to one owner, and to one reviewer. */
+const USER_1 = 'user-1-key-0123456789abcdef';
+const R_1 = 'r-1-key-0123456789abcdef';
+/** A client key bound to an owner named as a reviewer is: owners and reviewers share one space of names. */
+const CLIENT_R_1 = 'client-r-1-key-0123456789abcdef';
 
 /** API_KEYS set: API.md's 401 UNAUTHENTICATED and 403 FORBIDDEN, by the roles of its sections. */
 describe('API keys', () => {
@@ -12,7 +17,9 @@ describe('API keys', () => {
   const as = (key: string) => ({ authorization: `Bearer ${key}` });
 
   beforeAll(async () => {
-    api = await world.start({ API_KEYS: `admin:${ADMIN},client:${CLIENT},reviewer:${REVIEWER}` });
+    api = await world.start({
+      API_KEYS: `admin:${ADMIN},client:${CLIENT},reviewer:${REVIEWER},client:${USER_1}:user-1,reviewer:${R_1}:r-1,client:${CLIENT_R_1}:r-1`,
+    });
   });
   afterAll(() => world.cleanup());
 
@@ -75,6 +82,56 @@ describe('API keys', () => {
     expect(lease.status).toBe(200);
     expect((await api.post(`/v1/tasks/${lease.body.leaseId}/complete`, undefined, as(ADMIN))).status).toBe(403);
     expect((await api.post(`/v1/tasks/${lease.body.leaseId}/complete`, undefined, as(REVIEWER))).status).toBe(200);
+  });
+
+  it('a key bound to an owner acts for that owner only: 403 FORBIDDEN for another one, and nothing changes', async () => {
+    expect((await api.post('/v1/pools', { name: 'bound', kind: 'number' }, as(ADMIN))).status).toBe(201);
+    expect((await api.post('/v1/pools/bound/resources', { items: numbers(6).map((value) => ({ value })) }, as(ADMIN))).status).toBe(201);
+    const forOther = await api.post('/v1/pools/bound/reservations', { owner: 'user-2', count: 1 }, as(USER_1));
+    expect(forOther.status).toBe(403);
+    expect(forOther.body.error).toMatchObject({ code: 'FORBIDDEN', details: { actingFor: 'user-1' } });
+    const other = await api.post('/v1/pools/bound/reservations', { owner: 'user-2', count: 2 }, as(CLIENT));
+    expect(other.status).toBe(201);
+    const path = `/v1/reservations/${other.body.id}`;
+    const refused = [
+      await api.request('GET', path, undefined, as(USER_1)),
+      await api.post(`${path}/extend`, { ttlMs: 60_000 }, as(USER_1)),
+      await api.post(`${path}/confirm`, { resourceIds: [other.body.items[0].resourceId] }, as(USER_1)),
+      await api.request('DELETE', path, undefined, as(USER_1)),
+    ];
+    expect(refused.map((answer) => [answer.status, answer.body.error.code])).toEqual(Array(4).fill([403, 'FORBIDDEN']));
+    const unchanged = await api.request('GET', path, undefined, as(CLIENT));
+    expect([unchanged.body.state, unchanged.body.expiresAt]).toEqual(['held', other.body.expiresAt]);
+    expect((await api.request('GET', '/v1/pools/bound', undefined, as(ADMIN))).body.stats).toMatchObject({ held: 2, allocated: 0 });
+
+    const mine = await api.post('/v1/pools/bound/reservations', { owner: 'user-1', count: 2 }, as(USER_1));
+    expect(mine.status).toBe(201);
+    const chosen = mine.body.items[0].resourceId;
+    expect((await api.post(`/v1/reservations/${mine.body.id}/confirm`, { resourceIds: [chosen] }, as(USER_1))).status).toBe(200);
+    expect((await api.request('GET', `/v1/reservations/${mine.body.id}`, undefined, as(USER_1))).body.state).toBe('confirmed');
+    const release = `/v1/pools/bound/resources/${chosen}/release`;
+    expect((await api.post(release, { owner: 'user-2' }, as(USER_1))).status).toBe(403);
+    expect((await api.post(release, { owner: 'user-1' }, as(USER_1))).status).toBe(200);
+  });
+
+  it('a key bound to a reviewer pulls, heartbeats, completes and abandons for that reviewer only', async () => {
+    expect((await api.post('/v1/pools', { name: 'bound-reviews', kind: 'task' }, as(ADMIN))).status).toBe(201);
+    const items = [{ value: 'task-a' }, { value: 'task-b' }];
+    expect((await api.post('/v1/pools/bound-reviews/resources', { items }, as(ADMIN))).status).toBe(201);
+    expect((await api.post('/v1/pools/bound-reviews/tasks/next', { reviewer: 'r-2' }, as(R_1))).status).toBe(403);
+    const theirs = await api.post('/v1/pools/bound-reviews/tasks/next', { reviewer: 'r-2' }, as(REVIEWER));
+    expect(theirs.status).toBe(200);
+    for (const step of ['heartbeat', 'complete', 'abandon']) {
+      const answer = await api.post(`/v1/tasks/${theirs.body.leaseId}/${step}`, undefined, as(R_1));
+      expect([step, answer.status]).toEqual([step, 403]);
+    }
+    expect((await api.request('GET', '/v1/pools/bound-reviews', undefined, as(ADMIN))).body.stats).toMatchObject({ held: 1, allocated: 0 });
+    const own = await api.post('/v1/pools/bound-reviews/tasks/next', { reviewer: 'r-1' }, as(R_1));
+    expect(own.status).toBe(200);
+    // A client key bound to "r-1" does not reach r-1's lease through the reservation calls.
+    const asClient = await api.request('DELETE', `/v1/reservations/${own.body.leaseId}`, undefined, as(CLIENT_R_1));
+    expect([asClient.status, asClient.body.error.code]).toEqual([404, 'RESERVATION_NOT_FOUND']);
+    expect((await api.post(`/v1/tasks/${own.body.leaseId}/complete`, undefined, as(R_1))).status).toBe(200);
   });
 
   it('the operations endpoints need no key; the OpenAPI document lists both key schemes on every /v1 call', async () => {

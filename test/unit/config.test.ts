@@ -74,10 +74,30 @@ describe('API_KEYS', () => {
   it('takes role:key entries and keeps the keys by digest only', () => {
     const { keys, problems } = parseApiKeys(` admin:${admin}, client:client-key-0123456789,reviewer:rev/key+0123456789= `);
     expect(problems).toEqual([]);
-    expect([...keys.values()].sort()).toEqual(['admin', 'client', 'reviewer']);
+    expect([...keys.values()].map((caller) => caller.role).sort()).toEqual(['admin', 'client', 'reviewer']);
     expect([...keys.keys()].join()).not.toContain(admin);
     expect(loadConfig({ API_KEYS: `admin:${admin}` }).API_KEYS).toBe(`admin:${admin}`);
     expect(loadConfig({}).API_KEYS).toBe('');
+  });
+
+  it('binds a client or reviewer key to one owner (it may hold ":"), never an admin key', () => {
+    const { keys, problems } = parseApiKeys(`client:${admin}:user:1,reviewer:rev-key-0123456789ab:r-7,admin:adm-key-0123456789ab:x`);
+    expect(problems).toEqual(['entry 3: an admin key acts for every owner; it takes none']);
+    expect([...keys.values()]).toEqual([
+      { role: 'client', owner: 'user:1' },
+      { role: 'reviewer', owner: 'r-7' },
+    ]);
+    for (const owner of ['o'.repeat(129), ' user-1']) {
+      expect(parseApiKeys(`client:${admin}:${owner}`).problems).toEqual([
+        'entry 1: the owner a key acts for must be 1-128 characters, with no space at either end',
+      ]);
+    }
+    expect(parseApiKeys(`client:${admin}:${'😀'.repeat(128)}`).problems).toEqual([]);
+    // An entry is trimmed as a whole: a space before the next comma is no part of the owner.
+    expect([...parseApiKeys(`client:${admin}:user-1 , reviewer:rev-key-0123456789ab`).keys.values()][0]).toEqual({
+      role: 'client',
+      owner: 'user-1',
+    });
   });
 
   it('refuses an unknown role, a short or badly formed key, and one key given two roles, never showing a key', () => {
@@ -86,7 +106,7 @@ describe('API_KEYS', () => {
       'entry 1 must start with a role (admin, client, reviewer) and ":"',
       'entry 2: a key must be 16-256 letters, digits or . _ ~ + / = -',
       'entry 3: a key must be 16-256 letters, digits or . _ ~ + / = -',
-      'entry 5: its key is given another role already (admin)',
+      'entry 5: its key is given another role or owner already (admin)',
       'entry 6 must start with a role (admin, client, reviewer) and ":"',
     ]);
     let error: unknown;
