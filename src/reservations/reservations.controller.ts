@@ -68,7 +68,7 @@ export class ReservationsController {
   @ApiOkResponse({ type: ReservationDto, description: 'The reservation' })
   @ApiErrors(ErrorCode.VALIDATION_FAILED, ErrorCode.RESERVATION_NOT_FOUND)
   async get(@Param() params: ReservationParams, @ActingFor() actingFor: string | undefined): Promise<ReservationDto> {
-    await this.reservations.mustOwn(params.id, 'r', actingFor);
+    if (actingFor !== undefined) await this.reservations.mustOwn(params.id, 'r', actingFor);
     return this.reservations.get(params.id);
   }
 
@@ -83,7 +83,7 @@ export class ReservationsController {
     @Body() dto: ExtendDto,
     @ActingFor() actingFor: string | undefined,
   ): Promise<ReservationDto> {
-    await this.reservations.mustOwn(params.id, 'r', actingFor);
+    if (actingFor !== undefined) await this.reservations.mustOwn(params.id, 'r', actingFor);
     return this.reservations.extend(params.id, dto.ttlMs);
   }
 
@@ -105,7 +105,7 @@ export class ReservationsController {
     @Body() dto: ConfirmDto,
     @ActingFor() actingFor: string | undefined,
   ): Promise<ConfirmResultDto> {
-    await this.reservations.mustOwn(params.id, 'r', actingFor);
+    if (actingFor !== undefined) await this.reservations.mustOwn(params.id, 'r', actingFor);
     return this.reservations.confirm(params.id, dto.resourceIds);
   }
 
@@ -120,7 +120,7 @@ export class ReservationsController {
     @Body(NoBodyPipe) _body: unknown,
     @ActingFor() actingFor: string | undefined,
   ): Promise<ReservationDto> {
-    await this.reservations.mustOwn(params.id, 'r', actingFor);
+    if (actingFor !== undefined) await this.reservations.mustOwn(params.id, 'r', actingFor);
     return this.reservations.release(params.id);
   }
 }

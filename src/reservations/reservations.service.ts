@@ -206,8 +206,7 @@ export class ReservationsService implements OnModuleDestroy {
    * that owner's; 404 for one of the other kind (owners and reviewers share one space of names). Read before the call
    * acts: a reservation's owner and kind never change. An unknown one is left to the call (404).
    */
-  async mustOwn(id: string, kind: 'r' | 'l', actingFor: string | undefined): Promise<void> {
-    if (actingFor === undefined) return;
+  async mustOwn(id: string, kind: 'r' | 'l', actingFor: string): Promise<void> {
     const pool = await poolOf(this.catalog, id);
     const stored = await this.holds.read(pool.name, id);
     const committed = stored ? null : await this.committer.landedCommit(id);
