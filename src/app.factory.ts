@@ -27,8 +27,6 @@ declare module 'fastify' {
   interface FastifyRequest {
     /** When this instance took the request up (Date.now(), its own clock): the first thing every request does. */
     receivedAtMs: number;
-    /** The owner (or reviewer) the request's API key is bound to, if it is bound to one (common/auth.ts). */
-    actingFor: string | null;
   }
 }
 

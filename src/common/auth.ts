@@ -7,6 +7,13 @@ import type { IncomingHttpHeaders } from 'node:http';
 import { ErrorResponseDto } from './api-errors.decorator.js';
 import { DomainError, ErrorCode } from './errors.js';
 
+declare module 'fastify' {
+  interface FastifyRequest {
+    /** The owner (or reviewer) the request's API key is bound to, if it is bound to one; set by the first request hook. */
+    actingFor: string | null;
+  }
+}
+
 /** The roles of API.md: each section of the API names the roles that may call it. */
 export const ROLES = ['admin', 'client', 'reviewer'] as const;
 export type Role = (typeof ROLES)[number];
