@@ -17,6 +17,14 @@ describe('reserve with waitMs', () => {
 
   const reserve = (pool: string, body: Record<string, unknown>, headers?: Record<string, string>) =>
     api.post(`/v1/pools/${pool}/reservations`, body, headers);
+  /** A reserve of 2 for "gone" that waits up to 10 s, sent with `signal`: the error's name once it is aborted. */
+  const waitingCaller = (pool: string, signal: AbortSignal) =>
+    fetch(`${api.url}/v1/pools/${pool}/reservations`, {
+      method: 'POST',
+      headers: { 'content-type': 'application/json' },
+      body: JSON.stringify({ owner: 'gone', count: 2, waitMs: 10_000 }),
+      signal,
+    }).catch((err: Error) => err.name);
   const timed = async <T>(run: () => Promise<T>) => {
     const started = Date.now();
     const value = await run();
@@ -113,12 +121,7 @@ describe('reserve with waitMs', () => {
     await seedPool(api, 'hangup', numbers(2));
     const blocker = await reserve('hangup', { owner: 'a', count: 2 });
     const abort = new AbortController();
-    const gone = fetch(`${api.url}/v1/pools/hangup/reservations`, {
-      method: 'POST',
-      headers: { 'content-type': 'application/json' },
-      body: JSON.stringify({ owner: 'gone', count: 2, waitMs: 10_000 }),
-      signal: abort.signal,
-    }).catch((err: Error) => err.name);
+    const gone = waitingCaller('hangup', abort.signal);
     await sleep(200);
     abort.abort();
     expect(await gone).toBe('AbortError');
@@ -150,12 +153,7 @@ describe('reserve with waitMs', () => {
       return result;
     });
     try {
-      const gone = fetch(`${api.url}/v1/pools/left/reservations`, {
-        method: 'POST',
-        headers: { 'content-type': 'application/json' },
-        body: JSON.stringify({ owner: 'gone', count: 2, waitMs: 10_000 }),
-        signal: abort.signal,
-      }).catch((err: Error) => err.name);
+      const gone = waitingCaller('left', abort.signal);
       await sleep(200);
       expect((await api.del(`/v1/reservations/${blocker.body.id}`)).status).toBe(200);
       expect(await gone).toBe('AbortError');
