@@ -40,25 +40,14 @@ export class ReservationsController {
     @ActingFor() actingFor: string | undefined,
   ): Promise<ReservationDto> {
     mustActFor(actingFor, dto.owner);
-    if (!dto.waitMs) {
-      const answer = await this.reservations.reserve(params.pool, dto, idempotencyKey);
-      void reply.status(answer.created ? 201 : 200);
-      return answer.reservation;
-    }
-    // A reserve that may wait stops waiting when its caller hangs up: its connection closes (watched until the
-    // answer is ready, before it is written). The socket, not the response: a pipelined request's response has
-    // none yet, and is not told.
-    const gone = new AbortController();
-    const hungUp = (): void => gone.abort();
-    const socket = reply.request.raw.socket;
-    socket.once('close', hungUp);
-    if (socket.destroyed) gone.abort();
+    // A reserve that may wait stops waiting when its caller hangs up.
+    const hangUp = dto.waitMs ? watchHangUp(reply) : undefined;
     try {
-      const answer = await this.reservations.reserve(params.pool, dto, idempotencyKey, gone.signal);
+      const answer = await this.reservations.reserve(params.pool, dto, idempotencyKey, hangUp?.signal);
       void reply.status(answer.created ? 201 : 200);
       return answer.reservation;
     } finally {
-      socket.off('close', hungUp);
+      hangUp?.stop();
     }
   }
 
@@ -123,4 +112,18 @@ export class ReservationsController {
     if (actingFor !== undefined) await this.reservations.mustOwn(params.id, 'r', actingFor);
     return this.reservations.release(params.id);
   }
+}
+
+/**
+ * Aborts when the request's connection closes, watched until stop() (called once the answer is ready, before it is
+ * written). The socket, not the response: a pipelined request's response has none yet, and is not told; and one
+ * already closed when the handler starts counts.
+ */
+function watchHangUp(reply: FastifyReply): { signal: AbortSignal; stop: () => void } {
+  const gone = new AbortController();
+  const hungUp = (): void => gone.abort();
+  const socket = reply.request.raw.socket;
+  socket.once('close', hungUp);
+  if (socket.destroyed) gone.abort();
+  return { signal: gone.signal, stop: () => socket.off('close', hungUp) };
 }
