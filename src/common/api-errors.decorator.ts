@@ -65,6 +65,12 @@ export class ErrorDetailDto {
           'POOL_EXHAUSTED of a reserve with several filter attributes: true when the search stopped at its limit of ' +
           'candidates before it had seen them all; matching free items may exist (absent: none match)',
       },
+      waitersAhead: {
+        type: 'integer',
+        description:
+          'POOL_EXHAUSTED of a reserve: enough free items match, but they go first to this many reserves that began to ' +
+          'wait for them (waitMs) with the same filter before this one (at most the first 64 are counted)',
+      },
     },
     additionalProperties: true,
   })

@@ -1,5 +1,5 @@
 import { Inject, Injectable, Logger, OnApplicationShutdown } from '@nestjs/common';
-import { randomUUID } from 'node:crypto';
+import { createHash, randomUUID } from 'node:crypto';
 import type { Redis } from 'ioredis';
 import { AppConfig } from '../config/app-config.js';
 import type { ResourceRow } from '../database/resource.repository.js';
@@ -70,12 +70,15 @@ export interface ReserveRequest {
   attributes?: Record<string, string>;
   valuePrefix?: string;
   groupAffinity: boolean;
+  /** The reserve waits for free items (waitMs): it takes its turn in its filter's waiting line (waitingLine). */
+  waits?: boolean;
 }
 
 export type ReserveResult =
   | { status: 'ok' | 'replay'; reservation: StoredReservation }
   /** `limited`: a filtered reserve stopped looking before it had seen every candidate (reserve.lua, MAX_LOOKUPS). */
-  | { status: 'exhausted'; limited: boolean }
+  /** `waitersAhead`: enough are free, but for reserves that began to wait before this one (reserve.lua, `line`). */
+  | { status: 'exhausted'; limited: boolean; waitersAhead?: number }
   | { status: 'quota'; held: number }
   | { status: 'reused' };
 
@@ -159,6 +162,28 @@ export const ADD_FREE_WRITES = 2_000;
 /** What indexing the item writes in Redis (see ADD_FREE_WRITES). */
 export function indexWrites(item: CachedItem): number {
   return 2 + (item.a ? keyCount(item.a) : 0) + (item.g === undefined || item.g === null ? 0 : 1);
+}
+
+/**
+ * A waiter keeps its place in the waiting line this long without a try (reserve.lua, `line`): a waiter tries every
+ * 25-375 ms (ReservationsService), and one whose instance died holds up the items it waits for at most this long.
+ */
+export const WAIT_PLACE_MS = 1_500;
+
+/**
+ * The waiting line a reserve takes its turn in (reserve.lua, `line`), or '' for none: one line for no filter, one for
+ * each value prefix alone and each attribute pair alone, named by a hash of the filter. Task pulls (kind 'l') never
+ * wait and take no turn; filters with several conditions are not served in turn (Redis cannot count their free
+ * items without a walk).
+ */
+export function waitingLine(req: Pick<ReserveRequest, 'kind' | 'attributes' | 'valuePrefix'>): string {
+  if (req.kind !== 'r') return '';
+  const attributes = req.attributes ? Object.entries(req.attributes) : [];
+  const prefix = req.valuePrefix ?? '';
+  if (attributes.length + (prefix === '' ? 0 : 1) > 1) return '';
+  if (attributes.length === 0 && prefix === '') return '-';
+  const filter = attributes.length === 1 ? ['a', attributes[0][0], attributes[0][1]] : ['p', prefix];
+  return createHash('sha256').update(JSON.stringify(filter)).digest('base64url').slice(0, 16);
 }
 
 function parseReservation(reply: string[]): StoredReservation {
@@ -262,6 +287,9 @@ export class HoldStore implements OnApplicationShutdown {
         req.valuePrefix ?? '',
         req.groupAffinity ? '1' : '0',
         this.config.HOLD_GRACE_MS,
+        waitingLine(req),
+        req.waits ? '1' : '0',
+        WAIT_PLACE_MS,
       );
     } catch (err) {
       // A reserve that got no answer (timed out, or its connection lost) may have run in Redis, or may still,
@@ -283,7 +311,9 @@ export class HoldStore implements OnApplicationShutdown {
       case 'quota':
         return { status: 'quota', held: Number(reply[1]) };
       case 'exhausted':
-        return { status: 'exhausted', limited: reply[1] === 'limited' };
+        return reply[1] === 'waiters'
+          ? { status: 'exhausted', limited: false, waitersAhead: Number(reply[2]) }
+          : { status: 'exhausted', limited: reply[1] === 'limited' };
       default:
         return { status: 'reused' };
     }
@@ -379,6 +409,21 @@ export class HoldStore implements OnApplicationShutdown {
 
   /** Reserves that got no answer and could not be undone yet (Redis unreachable), by reservation id. */
   private readonly undos = new Later<{ pool: string; reservationId: string; idempotencyKey?: string }>(MAX_PENDING_UNDOS);
+
+  /**
+   * Takes a reserve that waited (`waits`) out of its waiting line (reserve.lua, `line`), when it gives up without the
+   * items. Never fails: a place not taken out lapses after WAIT_PLACE_MS.
+   */
+  async leaveLine(pool: string, req: ReserveRequest): Promise<void> {
+    const line = waitingLine(req);
+    if (!req.waits || line === '') return;
+    const base = poolBase(this.prefix, pool);
+    const member = `${req.count} ${req.reservationId}`;
+    await withTimeout(
+      Promise.all([this.redis.zrem(`${base}wq:${line}`, member), this.redis.zrem(`${base}wl:${line}`, member)]),
+      this.config.REDIS_TIMEOUT_MS,
+    ).catch(() => undefined);
+  }
 
   /** Undoes a reserve now (undoReserve), or, if Redis refuses, later (undoLater). Never fails. */
   async giveBack(pool: string, req: ReserveRequest): Promise<void> {

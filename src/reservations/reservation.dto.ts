@@ -72,8 +72,10 @@ export class CreateReservationDto {
   @ApiPropertyOptional({
     description:
       'How long to wait for free items, ms (0-30000). While fewer than `count` match, the reserve tries again every 25-375 ms ' +
-      'until it holds them or waitMs has passed (then 409 POOL_EXHAUSTED); not in arrival order. A filter too rare to be ' +
-      'searched in full, a replayed Idempotency-Key and the owner quota answer at once.',
+      'until it holds them or waitMs has passed (then 409 POOL_EXHAUSTED). Reserves that wait with the same filter (none, ' +
+      'one attribute, or a valuePrefix alone) are served in the order they began to wait, first fit: a later one, or one ' +
+      'that does not wait, gets only the items the earlier waiters cannot use now. Filters with several conditions are not ' +
+      'served in turn. A filter too rare to be searched in full, a replayed Idempotency-Key and the owner quota answer at once.',
     default: 0,
     minimum: 0,
     maximum: 30_000,

@@ -19,7 +19,8 @@ export const IDEMPOTENCY_KEY = /^[\x21-\x7e]{1,255}$/;
 /**
  * A reserve with `waitMs` tries again after WAIT_FIRST_PAUSE_MS, the pause doubling up to WAIT_MAX_PAUSE_MS, each
  * wait drawn at random between the pause and 1.5 times it (so that waiters spread out): an item freed anywhere is
- * found within 1.5 × WAIT_MAX_PAUSE_MS, and a waiter costs Redis at most one reserve script per pause.
+ * found within 1.5 × WAIT_MAX_PAUSE_MS, and a waiter costs Redis at most one reserve script per pause. Waiters take
+ * their turn: the items a filter's waiters could use go to the one that began to wait first (reserve.lua, `line`).
  */
 export const WAIT_FIRST_PAUSE_MS = 25;
 export const WAIT_MAX_PAUSE_MS = 250;
@@ -111,6 +112,14 @@ export class ReservationsService implements OnModuleDestroy {
             { pool: pool.name, count, searchLimited: true },
           );
         }
+        if (result.waitersAhead !== undefined) {
+          throw new DomainError(
+            ErrorCode.POOL_EXHAUSTED,
+            `fewer than ${count} free items match in pool "${pool.name}" once ${result.waitersAhead} reserves that waited ` +
+              'for them first are served',
+            { pool: pool.name, count, waitersAhead: result.waitersAhead },
+          );
+        }
         throw new DomainError(ErrorCode.POOL_EXHAUSTED, `fewer than ${count} free items match in pool "${pool.name}"`, {
           pool: pool.name,
           count,
@@ -136,33 +145,41 @@ export class ReservationsService implements OnModuleDestroy {
    */
   private async reserveOrWait(pool: string, request: ReserveRequest, waitMs: number, gone?: AbortSignal): Promise<ReserveResult> {
     if (waitMs === 0) return this.holds.reserve(pool, request);
-    let result = await this.tryFor(pool, request, gone);
-    if (result.status !== 'exhausted' || result.limited) return result;
-    const most = this.config.MAX_WAITING_RESERVES;
-    if (this.waiting >= most) {
-      throw new DomainError(
-        ErrorCode.RATE_LIMITED,
-        `${most} reserves are waiting for free items on this instance already; try again later, or with waitMs 0`,
-        { waitingReserves: most },
-      );
-    }
-    const deadline = Date.now() + waitMs;
-    this.waiting++;
-    this.metrics.waitingReserves.inc();
+    const waiter: ReserveRequest = { ...request, waits: true };
+    let result: ReserveResult | undefined;
     try {
-      for (let pause = WAIT_FIRST_PAUSE_MS; ; pause = Math.min(2 * pause, WAIT_MAX_PAUSE_MS)) {
-        const left = deadline - Date.now();
-        if (left <= 0 || gone?.aborted) return result;
-        if (!(await this.pause(Math.min(left, pause + Math.random() * (pause / 2)), gone))) {
-          throw DomainError.shuttingDown();
+      result = await this.tryFor(pool, waiter, gone);
+      if (result.status !== 'exhausted' || result.limited) return result;
+      const most = this.config.MAX_WAITING_RESERVES;
+      if (this.waiting >= most) {
+        throw new DomainError(
+          ErrorCode.RATE_LIMITED,
+          `${most} reserves are waiting for free items on this instance already; try again later, or with waitMs 0`,
+          { waitingReserves: most },
+        );
+      }
+      const deadline = Date.now() + waitMs;
+      this.waiting++;
+      this.metrics.waitingReserves.inc();
+      try {
+        for (let pause = WAIT_FIRST_PAUSE_MS; ; pause = Math.min(2 * pause, WAIT_MAX_PAUSE_MS)) {
+          const left = deadline - Date.now();
+          if (left <= 0 || gone?.aborted) return result;
+          if (!(await this.pause(Math.min(left, pause + Math.random() * (pause / 2)), gone))) {
+            throw DomainError.shuttingDown();
+          }
+          if (gone?.aborted) return result;
+          result = await this.tryFor(pool, waiter, gone);
+          if (result.status !== 'exhausted' || result.limited) return result;
         }
-        if (gone?.aborted) return result;
-        result = await this.tryFor(pool, request, gone);
-        if (result.status !== 'exhausted' || result.limited) return result;
+      } finally {
+        this.waiting--;
+        this.metrics.waitingReserves.dec();
       }
     } finally {
-      this.waiting--;
-      this.metrics.waitingReserves.dec();
+      // Served, it left the line in the script; otherwise it leaves now, before its answer is sent, so that the
+      // caller's next request (on this instance's connection, after this ZREM) does not find it ahead.
+      if (result?.status !== 'ok') void this.holds.leaveLine(pool, waiter);
     }
   }
 
