@@ -61,7 +61,7 @@ export class Traffic {
   }
 }
 
-/** A buyer: reserve 3, then confirm 1 in time, late, twice, on another instance, or walk away. Releases what it bought later. */
+/** A buyer: reserve 3 (waiting for them at times), then confirm 1 in time, late, twice, on another instance, or walk away. Releases what it bought later. */
 export async function buyer(t: Traffic, id: string, pool: string): Promise<void> {
   const owner = `buyer-${id}`;
   const bought: string[] = [];
@@ -70,7 +70,9 @@ export async function buyer(t: Traffic, id: string, pool: string): Promise<void>
     if (t.stopped) break;
     const at = t.live();
     const ttlMs = Math.round(between(2000, 4000));
-    const r = await t.call(owner, at, 'reserve', 'POST', `/v1/pools/${pool}/reservations`, { owner, count: 3, ttlMs });
+    // A third of the reserves wait for items when too few are free (waitMs), and take their turn in the line.
+    const wait = Math.random() < 0.3 ? { waitMs: Math.round(between(200, 2000)) } : {};
+    const r = await t.call(owner, at, 'reserve', 'POST', `/v1/pools/${pool}/reservations`, { owner, count: 3, ttlMs, ...wait });
     if (r.status !== 201) continue;
     const reservation = r.answer;
     const expiresAt = Date.parse(reservation.expiresAt);
