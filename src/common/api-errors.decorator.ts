@@ -68,8 +68,9 @@ export class ErrorDetailDto {
       waitersAhead: {
         type: 'integer',
         description:
-          'POOL_EXHAUSTED of a reserve: enough free items match, but they go first to this many reserves that began to ' +
-          'wait for them (waitMs) with the same filter before this one (at most the first 64 are counted)',
+          'POOL_EXHAUSTED of a reserve with waitMs, after its wait: at its last try, enough items matching its filter were ' +
+          'free but for those kept for this many reserves that began to wait with the same filter before it and that ' +
+          'they could serve (of the 64 first in line; absent: too few were free)',
       },
     },
     additionalProperties: true,

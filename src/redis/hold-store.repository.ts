@@ -77,7 +77,10 @@ export interface ReserveRequest {
 export type ReserveResult =
   | { status: 'ok' | 'replay'; reservation: StoredReservation }
   /** `limited`: a filtered reserve stopped looking before it had seen every candidate (reserve.lua, MAX_LOOKUPS). */
-  /** `waitersAhead`: enough are free, but for reserves that began to wait before this one (reserve.lua, `line`). */
+  /**
+   * `waitersAhead`: a reserve that waits found `count` free but for the items kept for this many reserves that began to
+   * wait before it, with its filter (reserve.lua, `line`).
+   */
   | { status: 'exhausted'; limited: boolean; waitersAhead?: number }
   | { status: 'quota'; held: number }
   | { status: 'reused' };
@@ -146,6 +149,8 @@ const REBUILD_RUN_KEY_MS = 24 * 3600_000;
 const MAX_PENDING_UNDOS = 10_000;
 /** In the marker's value while a rebuild round runs: `<generation> rebuilding:<run>`. */
 export const REBUILDING = ' rebuilding:';
+/** A waiter out of its line (KEYS[1], the order) and its place (KEYS[2]) at once: one without the other is passed over. */
+const LEAVE_LINE = `redis.call('ZREM', KEYS[1], ARGV[1]) redis.call('ZREM', KEYS[2], ARGV[1]) return 1`;
 /** The marker set to ARGV[2] only over ARGV[1] (Redis 7.0 has no SET ... IFEQ). */
 const MARK_REBUILT = `if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('SET', KEYS[1], ARGV[2]) return 1 end return 0`;
 /** addFree adds nothing from a Postgres read older than this (Redis' clock), well inside a tombstone's life. */
@@ -166,15 +171,16 @@ export function indexWrites(item: CachedItem): number {
 
 /**
  * A waiter keeps its place in the waiting line this long without a try (reserve.lua, `line`): a waiter tries every
- * 25-375 ms (ReservationsService), and one whose instance died holds up the items it waits for at most this long.
+ * 25-375 ms (ReservationsService), and one whose instance died or stalled holds up the items it waits for at most
+ * this long; back after that, it joins at the end.
  */
 export const WAIT_PLACE_MS = 1_500;
 
 /**
- * The waiting line a reserve takes its turn in (reserve.lua, `line`), or '' for none: one line for no filter, one for
- * each value prefix alone and each attribute pair alone, named by a hash of the filter. Task pulls (kind 'l') never
- * wait and take no turn; filters with several conditions are not served in turn (Redis cannot count their free
- * items without a walk).
+ * The waiting line a reserve that waits takes its turn in (reserve.lua, `line`), or '' for none: one line for no
+ * filter, one for each value prefix alone and each attribute pair alone, named by a hash of the filter. Task pulls
+ * (kind 'l') never wait; filters with several conditions have no line (Redis cannot count their free items without a
+ * walk).
  */
 export function waitingLine(req: Pick<ReserveRequest, 'kind' | 'attributes' | 'valuePrefix'>): string {
   if (req.kind !== 'r') return '';
@@ -215,6 +221,8 @@ export class HoldStore implements OnApplicationShutdown {
   private readonly retentionMs: number;
   /** How long an open reservation's record outlives its hold (see OPEN_RECORD_MARGIN_MS). */
   private readonly openRecordMs: number;
+  /** Waiters' leaves sent and not answered yet (leaveLine): the connection closes after them. */
+  private readonly leaving = new Set<Promise<void>>();
 
   constructor(
     @Inject(REDIS) private readonly redis: Redis,
@@ -287,8 +295,7 @@ export class HoldStore implements OnApplicationShutdown {
         req.valuePrefix ?? '',
         req.groupAffinity ? '1' : '0',
         this.config.HOLD_GRACE_MS,
-        waitingLine(req),
-        req.waits ? '1' : '0',
+        req.waits ? waitingLine(req) : '',
         WAIT_PLACE_MS,
       );
     } catch (err) {
@@ -412,17 +419,22 @@ export class HoldStore implements OnApplicationShutdown {
 
   /**
    * Takes a reserve that waited (`waits`) out of its waiting line (reserve.lua, `line`), when it gives up without the
-   * items. Never fails: a place not taken out lapses after WAIT_PLACE_MS.
+   * items. Never fails: a place not taken out is passed over WAIT_PLACE_MS after the waiter's last try.
    */
   async leaveLine(pool: string, req: ReserveRequest): Promise<void> {
     const line = waitingLine(req);
     if (!req.waits || line === '') return;
     const base = poolBase(this.prefix, pool);
     const member = `${req.count} ${req.reservationId}`;
-    await withTimeout(
-      Promise.all([this.redis.zrem(`${base}wq:${line}`, member), this.redis.zrem(`${base}wl:${line}`, member)]),
+    const leave = withTimeout(
+      this.redis.eval(LEAVE_LINE, 2, `${base}wq:${line}`, `${base}wl:${line}`, member),
       this.config.REDIS_TIMEOUT_MS,
-    ).catch(() => undefined);
+    )
+      .then(() => undefined)
+      .catch(() => undefined)
+      .finally(() => this.leaving.delete(leave));
+    this.leaving.add(leave);
+    await leave;
   }
 
   /** Undoes a reserve now (undoReserve), or, if Redis refuses, later (undoLater). Never fails. */
@@ -626,8 +638,9 @@ export class HoldStore implements OnApplicationShutdown {
     return (await this.command(() => this.redis.del(rebuildRunKey(this.prefix, run)))) === 1;
   }
 
-  /** Runs after the HTTP server has finished its in-flight requests. */
+  /** Runs after the HTTP server has finished its in-flight requests, and after the leaves they sent (leaveLine). */
   async onApplicationShutdown(): Promise<void> {
+    await Promise.all(this.leaving);
     await this.redis.quit().catch(() => this.redis.disconnect());
   }
 

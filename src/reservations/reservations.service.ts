@@ -115,8 +115,8 @@ export class ReservationsService implements OnModuleDestroy {
         if (result.waitersAhead !== undefined) {
           throw new DomainError(
             ErrorCode.POOL_EXHAUSTED,
-            `fewer than ${count} free items match in pool "${pool.name}" once ${result.waitersAhead} reserves that waited ` +
-              'for them first are served',
+            `fewer than ${count} free items match in pool "${pool.name}" but for those kept for ${result.waitersAhead} ` +
+              'reserves that began to wait for them before this one',
             { pool: pool.name, count, waitersAhead: result.waitersAhead },
           );
         }
@@ -145,19 +145,25 @@ export class ReservationsService implements OnModuleDestroy {
    */
   private async reserveOrWait(pool: string, request: ReserveRequest, waitMs: number, gone?: AbortSignal): Promise<ReserveResult> {
     if (waitMs === 0) return this.holds.reserve(pool, request);
+    const most = this.config.MAX_WAITING_RESERVES;
+    const tooMany = () =>
+      new DomainError(
+        ErrorCode.RATE_LIMITED,
+        `${most} reserves are waiting for free items on this instance already; try again later, or with waitMs 0`,
+        { waitingReserves: most },
+      );
+    if (this.waiting >= most) {
+      // One try that takes no turn in the line, as waitMs 0 does; 429 if it finds too few.
+      const once = await this.tryFor(pool, request, gone);
+      if (once.status !== 'exhausted' || once.limited) return once;
+      throw tooMany();
+    }
     const waiter: ReserveRequest = { ...request, waits: true };
     let result: ReserveResult | undefined;
     try {
       result = await this.tryFor(pool, waiter, gone);
       if (result.status !== 'exhausted' || result.limited) return result;
-      const most = this.config.MAX_WAITING_RESERVES;
-      if (this.waiting >= most) {
-        throw new DomainError(
-          ErrorCode.RATE_LIMITED,
-          `${most} reserves are waiting for free items on this instance already; try again later, or with waitMs 0`,
-          { waitingReserves: most },
-        );
-      }
+      if (this.waiting >= most) throw tooMany();
       const deadline = Date.now() + waitMs;
       this.waiting++;
       this.metrics.waitingReserves.inc();
@@ -177,9 +183,13 @@ export class ReservationsService implements OnModuleDestroy {
         this.metrics.waitingReserves.dec();
       }
     } finally {
-      // Served, it left the line in the script; otherwise it leaves now, before its answer is sent, so that the
-      // caller's next request (on this instance's connection, after this ZREM) does not find it ahead.
-      if (result?.status !== 'ok') void this.holds.leaveLine(pool, waiter);
+      // Served, it left the line in the script; otherwise it leaves it before it answers (a caller trying again at
+      // once, on any instance, must not find itself ahead). At shutdown the 503 goes first, as the HTTP server is
+      // closing: the leave, sent now, still reaches Redis before this instance's connection to it closes.
+      if (result?.status !== 'ok') {
+        const left = this.holds.leaveLine(pool, waiter);
+        if (!this.stopping) await left;
+      }
     }
   }
 

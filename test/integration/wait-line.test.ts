@@ -1,25 +1,31 @@
+import type { Redis } from 'ioredis';
 import { randomUUID } from 'node:crypto';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { HoldStore, ReserveRequest, WAIT_PLACE_MS, waitingLine } from '../../src/redis/hold-store.repository.js';
-import { makeReservationId } from '../../src/redis/keys.js';
-import { TestInstance, TestWorld, numbers, seedPool, sleep } from '../support/harness.js';
+import { REDIS } from '../../src/redis/redis.client.js';
+import { makeReservationId, poolBase } from '../../src/redis/keys.js';
+import { HttpAnswer, TestInstance, TestWorld, numbers, seedPool, sleep } from '../support/harness.js';
 
 /**
  * The waiting line (reserve.lua, `line`): reserves that wait (waitMs) for the same filter take the free items in the
- * order they began to wait, first fit; one that does not wait comes after them. DESIGN.md: fair FIFO waiting.
+ * order they began to wait, first fit, across instances. DESIGN.md: fair FIFO waiting.
  */
 describe('reserves that wait take their turn', () => {
   const world = new TestWorld('wait-line');
   let api: TestInstance;
+  let other: TestInstance;
   let holds: HoldStore;
+  let redis: Redis;
 
   beforeAll(async () => {
     api = await world.start();
+    other = await world.start();
     holds = api.app.get(HoldStore);
+    redis = api.app.get<Redis>(REDIS);
   });
   afterAll(() => world.cleanup());
 
-  const reserve = (pool: string, body: Record<string, unknown>) => api.post(`/v1/pools/${pool}/reservations`, body);
+  const reserve = (pool: string, body: Record<string, unknown>, on = api) => on.post(`/v1/pools/${pool}/reservations`, body);
   /** One try of a reserve as the service sends it; `waits`: a try of a reserve with waitMs. */
   const request = (pool: string, owner: string, count: number, waits: boolean, filter: Partial<ReserveRequest> = {}): ReserveRequest => ({
     reservationId: makeReservationId(pool, randomUUID()),
@@ -43,6 +49,8 @@ describe('reserves that wait take their turn', () => {
     return ids;
   };
   const release = async (id: string) => expect((await api.del(`/v1/reservations/${id}`)).status).toBe(200);
+  /** The members of the pool's line of unfiltered waiters. */
+  const line = (pool: string) => redis.zrange(`${poolBase(world.prefix, pool)}wq:-`, 0, -1);
 
   it('the item freed goes to the waiter that began first, whichever tries first; then to the next', async () => {
     await seedPool(api, 'turns', numbers(1));
@@ -50,103 +58,205 @@ describe('reserves that wait take their turn', () => {
     const first = request('turns', 'first', 1, true);
     const second = request('turns', 'second', 1, true);
     expect(await holds.reserve('turns', first)).toEqual({ status: 'exhausted', limited: false });
-    expect(await holds.reserve('turns', second)).toEqual({ status: 'exhausted', limited: false, waitersAhead: 1 });
+    expect(await holds.reserve('turns', second)).toEqual({ status: 'exhausted', limited: false });
     await release(blocker);
-    // The item is free, but it is the first waiter's: the second's try, and a reserve that does not wait, get 409.
+    // The item is free, but it is the first waiter's.
     expect(await holds.reserve('turns', second)).toEqual({ status: 'exhausted', limited: false, waitersAhead: 1 });
-    const plain = await reserve('turns', { owner: 'plain', count: 1 });
-    expect(plain.status).toBe(409);
-    expect(plain.body.error).toMatchObject({ code: 'POOL_EXHAUSTED', details: { count: 1, waitersAhead: 2 } });
-    const served = await holds.reserve('turns', first);
-    expect(served.status).toBe('ok');
+    expect((await holds.reserve('turns', first)).status).toBe('ok');
     // Served, the first has left the line: the second is next when the item comes back.
     expect(await holds.reserve('turns', second)).toEqual({ status: 'exhausted', limited: false });
+    expect(await line('turns')).toEqual([`1 ${second.reservationId}`]);
     await release(first.reservationId);
     expect((await holds.reserve('turns', second)).status).toBe('ok');
-    await release(second.reservationId);
-    expect((await reserve('turns', { owner: 'plain', count: 1 })).status).toBe(201);
+    expect(await line('turns')).toEqual([]);
   });
 
-  it('over HTTP: two callers waiting for one item are served in the order they came', async () => {
+  it('over HTTP, on two instances: callers waiting for one item are served in the order they came', async () => {
     await seedPool(api, 'order', numbers(1));
-    const [blocker] = await holdAll('order', 1);
-    const answers: string[] = [];
-    const wait = (owner: string) =>
-      reserve('order', { owner, count: 1, waitMs: 8_000 }).then((r) => {
-        answers.push(owner);
-        return r;
-      });
-    const early = wait('early');
-    await sleep(150);
-    const late = wait('late');
-    await sleep(400);
-    await release(blocker);
-    const got = await early;
-    expect(got.status).toBe(201);
-    expect(answers).toEqual(['early']);
-    await release(got.body.id);
-    expect((await late).status).toBe(201);
-    expect(answers).toEqual(['early', 'late']);
+    let [holder] = await holdAll('order', 1);
+    const served: string[] = [];
+    const waiters: Promise<HttpAnswer>[] = [];
+    for (let i = 0; i < 5; i++) {
+      const owner = `w${i}`;
+      waiters.push(
+        reserve('order', { owner, count: 1, waitMs: 15_000 }, i % 2 ? other : api).then((r) => {
+          served.push(owner);
+          return r;
+        }),
+      );
+      await sleep(120);
+    }
+    for (let i = 0; i < 5; i++) {
+      await release(holder);
+      const got = await waiters[i];
+      expect(got.status).toBe(201);
+      holder = got.body.id;
+    }
+    expect(served).toEqual(['w0', 'w1', 'w2', 'w3', 'w4']);
   });
 
   it('first fit: a later waiter gets the items an earlier one cannot use yet, and no more', async () => {
-    await seedPool(api, 'fit', numbers(4));
-    const held = await holdAll('fit', 4);
+    await seedPool(api, 'fit', numbers(5));
+    const held = await holdAll('fit', 5);
     const big = request('fit', 'big', 3, true);
     const small = request('fit', 'small', 1, true);
-    expect((await holds.reserve('fit', big)).status).toBe('exhausted');
-    expect((await holds.reserve('fit', small)).status).toBe('exhausted');
+    const last = request('fit', 'last', 2, true);
+    for (const r of [big, small, last]) expect((await holds.reserve('fit', r)).status).toBe('exhausted');
     await release(held[0]);
     // One free: the waiter for 3 cannot use it, so the waiter for 1 behind it gets it.
     expect((await holds.reserve('fit', small)).status).toBe('ok');
-    await release(held[1]);
-    await release(held[2]);
-    await release(held[3]);
-    // Three free, and the waiter for 3 is first: nothing for a reserve that does not wait.
-    const plain = await reserve('fit', { owner: 'plain', count: 1 });
-    expect(plain.body.error).toMatchObject({ code: 'POOL_EXHAUSTED', details: { waitersAhead: 1 } });
+    for (const id of held.slice(1, 4)) await release(id);
+    // Three free, kept for the waiter for 3: none for the waiter for 2 behind it.
+    expect(await holds.reserve('fit', last)).toEqual({ status: 'exhausted', limited: false, waitersAhead: 1 });
     expect((await holds.reserve('fit', big)).status).toBe('ok');
-    expect(await api.stats('fit')).toEqual({ total: 4, free: 0, held: 4, allocated: 0 });
+    await release(held[4]);
+    await release(small.reservationId);
+    expect((await holds.reserve('fit', last)).status).toBe('ok');
+    expect(await api.stats('fit')).toEqual({ total: 5, free: 0, held: 5, allocated: 0 });
   });
 
-  it('a waiter that gives up leaves the line at once; one that stops trying (its instance died) loses its place', async () => {
-    await seedPool(api, 'leave', numbers(1));
-    const [blocker] = await holdAll('leave', 1);
-    const gaveUp = await reserve('leave', { owner: 'gave-up', count: 1, waitMs: 300 });
-    expect(gaveUp.status).toBe(409);
+  it("a reserve that does not wait takes what is free, waiters or not (a fair semaphore's tryAcquire)", async () => {
+    await seedPool(api, 'barge', numbers(1));
+    const [blocker] = await holdAll('barge', 1);
+    const waiter = request('barge', 'waiter', 1, true);
+    expect((await holds.reserve('barge', waiter)).status).toBe('exhausted');
     await release(blocker);
-    const next = await reserve('leave', { owner: 'next', count: 1 });
-    expect(next.status).toBe(201);
-    // A waiter whose instance died: its last try put it in the line, and nothing takes it out.
-    const dead = request('leave', 'dead', 1, true);
-    expect((await holds.reserve('leave', dead)).status).toBe('exhausted');
-    await release(next.body.id);
-    const started = Date.now();
-    expect((await reserve('leave', { owner: 'plain', count: 1 })).body.error).toMatchObject({ details: { waitersAhead: 1 } });
-    await sleep(WAIT_PLACE_MS + 100 - (Date.now() - started));
-    // Within 2 s of its release (DESIGN.md invariant 4), the item is anyone's again.
-    expect((await reserve('leave', { owner: 'plain', count: 1 })).status).toBe(201);
-    expect(Date.now() - started).toBeLessThan(2_000);
+    expect((await reserve('barge', { owner: 'plain', count: 1 })).status).toBe(201);
+    expect(await holds.reserve('barge', waiter)).toEqual({ status: 'exhausted', limited: false });
   });
 
-  it('each filter has its own line; filters with several conditions take no turn', async () => {
-    const city = (c: string, n: number) => numbers(n, `139${c === 'bj' ? 1 : 2}000`).map((value) => ({ value, attributes: { city: c } }));
-    await seedPool(api, 'lines', [...city('bj', 1), ...city('sh', 1)]);
+  it("a waiter whose instance died is passed over once its place lapses: the item is the next one's within 2 s", async () => {
+    await seedPool(api, 'dead', numbers(1));
+    const [blocker] = await holdAll('dead', 1);
+    const dead = request('dead', 'dead', 1, true);
+    const live = request('dead', 'live', 1, true);
+    expect((await holds.reserve('dead', dead)).status).toBe('exhausted');
+    expect((await holds.reserve('dead', live)).status).toBe('exhausted');
+    await release(blocker);
+    const released = Date.now();
+    // The live one tries as a waiter does, keeping its place (and the line) alive; the dead one never again.
+    const tries: string[] = [];
+    for (;;) {
+      const result = await holds.reserve('dead', live);
+      tries.push(result.status);
+      if (result.status === 'ok' || Date.now() - released > 3_000) break;
+      await sleep(200);
+    }
+    expect(tries.at(-1)).toBe('ok');
+    expect(tries.length).toBeGreaterThan(1);
+    expect(Date.now() - released).toBeLessThan(2_000);
+    expect(Date.now() - released).toBeGreaterThanOrEqual(WAIT_PLACE_MS - 500);
+  });
+
+  it('a waiter that stalled past its place comes back at the end of the line', async () => {
+    await seedPool(api, 'stalled', numbers(1));
+    const [blocker] = await holdAll('stalled', 1);
+    const stalled = request('stalled', 'stalled', 1, true);
+    const next = request('stalled', 'next', 1, true);
+    const joined = Date.now();
+    expect((await holds.reserve('stalled', stalled)).status).toBe('exhausted');
+    expect((await holds.reserve('stalled', next)).status).toBe('exhausted');
+    while (Date.now() - joined < WAIT_PLACE_MS + 200) {
+      await sleep(300);
+      expect((await holds.reserve('stalled', next)).status).toBe('exhausted');
+    }
+    // Back: its place has lapsed, and it joins behind the one that kept trying.
+    expect(await holds.reserve('stalled', stalled)).toEqual({ status: 'exhausted', limited: false });
+    await release(blocker);
+    expect(await holds.reserve('stalled', stalled)).toEqual({ status: 'exhausted', limited: false, waitersAhead: 1 });
+    expect((await holds.reserve('stalled', next)).status).toBe('ok');
+  });
+
+  it('any number of lapsed places ahead are passed over in one try', async () => {
+    await seedPool(api, 'crowd', numbers(1));
+    const [blocker] = await holdAll('crowd', 1);
+    const joined = Date.now();
+    await Promise.all(Array.from({ length: 200 }, (_, i) => holds.reserve('crowd', request('crowd', `dead-${i}`, 1, true))));
+    const live = request('crowd', 'live', 1, true);
+    expect((await holds.reserve('crowd', live)).status).toBe('exhausted');
+    // One try before the dead places lapse keeps the line alive; then the item comes back after they lapsed.
+    await sleep(WAIT_PLACE_MS - 500 - (Date.now() - joined));
+    expect((await holds.reserve('crowd', live)).status).toBe('exhausted');
+    await sleep(WAIT_PLACE_MS + 100 - (Date.now() - joined));
+    await release(blocker);
+    expect((await holds.reserve('crowd', live)).status).toBe('ok');
+  });
+
+  it('a place in the line without its lapse time (half taken out) holds nobody up', async () => {
+    await seedPool(api, 'half', numbers(1));
+    const [blocker] = await holdAll('half', 1);
+    const half = request('half', 'half', 1, true);
+    const next = request('half', 'next', 1, true);
+    expect((await holds.reserve('half', half)).status).toBe('exhausted');
+    expect((await holds.reserve('half', next)).status).toBe('exhausted');
+    await redis.zrem(`${poolBase(world.prefix, 'half')}wl:-`, `1 ${half.reservationId}`);
+    await release(blocker);
+    expect((await holds.reserve('half', next)).status).toBe('ok');
+  });
+
+  it('a waiter that gives up, is replayed or hangs up leaves the line before it answers', async () => {
+    await seedPool(api, 'leave', numbers(2));
+    const blockers = await holdAll('leave', 2);
+    // Gives up.
+    expect((await reserve('leave', { owner: 'gave-up', count: 1, waitMs: 300 })).status).toBe(409);
+    expect(await line('leave')).toEqual([]);
+    // Replayed: an earlier send with its key got the item while it waited.
+    const keyed = (on: TestInstance) =>
+      on.post('/v1/pools/leave/reservations', { owner: 'keyed', count: 1, waitMs: 3_000 }, { 'idempotency-key': 'k' });
+    const sends = [keyed(api), keyed(other)];
+    await sleep(300);
+    expect((await line('leave')).length).toBe(2);
+    await release(blockers[0]);
+    expect((await Promise.all(sends)).map((r) => r.status).sort()).toEqual([200, 201]);
+    expect(await line('leave')).toEqual([]);
+    // Hangs up.
+    const abort = new AbortController();
+    const gone = fetch(`${api.url}/v1/pools/leave/reservations`, {
+      method: 'POST',
+      headers: { 'content-type': 'application/json' },
+      body: JSON.stringify({ owner: 'gone', count: 2, waitMs: 10_000 }),
+      signal: abort.signal,
+    }).catch((err: Error) => err.name);
+    await sleep(200);
+    expect((await line('leave')).length).toBe(1);
+    abort.abort();
+    expect(await gone).toBe('AbortError');
+    await sleep(100);
+    expect(await line('leave')).toEqual([]);
+    await release(blockers[1]);
+  });
+
+  it('past MAX_WAITING_RESERVES, one more tries once without a turn and is 429: it leaves nothing in the line', async () => {
+    const narrow = await world.start({ MAX_WAITING_RESERVES: '1' });
+    await seedPool(narrow, 'narrow', numbers(1));
+    await holdAll('narrow', 1);
+    const waiting = narrow.post('/v1/pools/narrow/reservations', { owner: 'b', count: 1, waitMs: 1_000 });
+    await sleep(100);
+    const [first] = await line('narrow');
+    expect((await narrow.post('/v1/pools/narrow/reservations', { owner: 'c', count: 1, waitMs: 1_000 })).status).toBe(429);
+    expect(await line('narrow')).toEqual([first]);
+    expect((await waiting).status).toBe(409);
+    expect(await line('narrow')).toEqual([]);
+  });
+
+  it('each filter has its own line, a value prefix alone included; filters with several conditions have none', async () => {
+    const city = (c: string) => ({ value: numbers(1, c === 'bj' ? '1391000' : '1392000')[0], attributes: { city: c } });
+    await seedPool(api, 'lines', [city('bj'), city('sh')]);
     const held = await holdAll('lines', 2);
     const bj = request('lines', 'bj-waiter', 1, true, { attributes: { city: 'bj' } });
-    expect((await holds.reserve('lines', bj)).status).toBe('exhausted');
-    await release(held[0]);
-    await release(held[1]);
-    // The bj waiter is first for bj items and for no others.
-    const plainBj = await reserve('lines', { owner: 'plain', count: 1, filter: { attributes: { city: 'bj' } } });
-    expect(plainBj.body.error).toMatchObject({ details: { waitersAhead: 1 } });
-    const plainSh = await reserve('lines', { owner: 'plain', count: 1, filter: { attributes: { city: 'sh' } } });
-    expect(plainSh.status).toBe(201);
-    // A filter of an attribute and a prefix takes no turn.
+    const sh = request('lines', 'sh-waiter', 1, true, { attributes: { city: 'sh' } });
+    const byPrefix = request('lines', 'prefix-waiter', 1, true, { valuePrefix: '1391' });
+    const prefixLater = request('lines', 'prefix-later', 1, true, { valuePrefix: '1391' });
+    for (const r of [bj, sh, byPrefix, prefixLater]) expect((await holds.reserve('lines', r)).status).toBe('exhausted');
+    for (const id of held) await release(id);
+    // The bj waiter, first of all, holds up nobody in another line: not the sh waiter, not the prefix waiters, who
+    // want the same bj number; in the prefix line, the first comes first.
+    expect((await holds.reserve('lines', sh)).status).toBe('ok');
+    expect(await holds.reserve('lines', prefixLater)).toEqual({ status: 'exhausted', limited: false, waitersAhead: 1 });
+    expect((await holds.reserve('lines', byPrefix)).status).toBe('ok');
+    expect(await holds.reserve('lines', bj)).toEqual({ status: 'exhausted', limited: false });
     expect(waitingLine({ kind: 'r', attributes: { city: 'bj' }, valuePrefix: '139' })).toBe('');
-    const both = await reserve('lines', { owner: 'plain', count: 1, filter: { attributes: { city: 'bj' }, valuePrefix: '1391' } });
-    expect(both.status).toBe(201);
-    expect((await holds.reserve('lines', bj)).status).toBe('exhausted');
+    expect(waitingLine({ kind: 'r', attributes: { city: 'bj', kind: 'vip' } })).toBe('');
   });
 
   it('gives each filter a line of its own and the unfiltered reserves one; task pulls take none', () => {

@@ -1,5 +1,8 @@
+import type { Redis } from 'ioredis';
 import { afterAll, beforeAll, describe, expect, it, vi } from 'vitest';
 import { HoldStore, ReserveResult } from '../../src/redis/hold-store.repository.js';
+import { poolBase } from '../../src/redis/keys.js';
+import { REDIS } from '../../src/redis/redis.client.js';
 import { TestInstance, TestWorld, numbers, seedPool, sleep } from '../support/harness.js';
 
 type Item = { resourceId: string };
@@ -179,6 +182,8 @@ describe('reserve with waitMs', () => {
     expect(answer.ms).toBeLessThan(5_000);
     expect((await closed).ms).toBeLessThan(5_000);
     expect(await api.stats('closing')).toEqual({ total: 1, free: 0, held: 1, allocated: 0 });
+    // It left its waiting line (reserve.lua, `line`) as it answered.
+    expect(await api.app.get<Redis>(REDIS).exists(`${poolBase(world.prefix, 'closing')}wq:-`)).toBe(0);
   });
 
   it('past MAX_WAITING_RESERVES waiting on an instance, one more is 429 RATE_LIMITED at once; waitMs 0 still answers', async () => {

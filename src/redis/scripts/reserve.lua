@@ -5,17 +5,18 @@
 --       10 body hash, 11 idempotency ttlMs,
 --       12 attribute filter as JSON object ("" = none), 13 value prefix ("" = none), 14 group affinity ("1"|"0"),
 --       15 grace ms (the holds outlive expiresAt by this much; the sweeper looks at the reservation then),
---       16 the waiting line this reserve takes its turn in ("" = none; see below), 17 "1" if this reserve waits
---       (waitMs: it joins the line, or keeps its place), else "0", 18 how long a waiter keeps its place without a try, ms
+--       16 the waiting line this reserve, which waits (waitMs), takes its turn in ("" = none; see below), 17 how long
+--       a waiter keeps its place without a try, ms
 -- Returns: {"ok"|"replay", rid, state, owner, kind, createdMs, expiresMs, itemsJson, outcomeJson, nowMs}
 --          or {"exhausted"} | {"exhausted", "limited"} (a filtered walk stopped at MAX_LOOKUPS) | {"quota", heldNow}
---          | {"exhausted", "waiters", n} (the free items are for n reserves that wait before this one) | {"reused"}
+--          | {"exhausted", "waiters", n} (enough would be free but for the n waiters before it they are kept for)
+--          | {"reused"}
 local base, rid, owner = ARGV[1], ARGV[2], ARGV[3]
 local count, ttl, max_holds = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
 local kind, open_record_ms = ARGV[7], tonumber(ARGV[8])
 local idem_key, body_hash, idem_ttl = ARGV[9], ARGV[10], tonumber(ARGV[11])
 local attr_json, prefix, affinity, grace = ARGV[12], ARGV[13], ARGV[14] == '1', tonumber(ARGV[15])
-local line, waits, place_ms = ARGV[16], ARGV[17] == '1', tonumber(ARGV[18])
+local line, place_ms = ARGV[16], tonumber(ARGV[17])
 local now = now_ms()
 local MAX_REQUESTERS = 32
 
@@ -60,37 +61,44 @@ local hold_ms = ttl + grace
 local want = attr_json ~= '' and cjson.decode(attr_json) or {}
 
 -- The waiting line (waitMs): reserves that wait for the same filter take the free items in the order they began
--- to wait, and a reserve that does not wait comes after them. `line` names the filter (the service gives one to
--- no filter, a value prefix alone, or one attribute alone: filters whose free items Redis counts exactly once a
--- try of them has failed, as every such try removes the stale entries it meets). <base>wq:<line> orders the
--- members "<count> <rid>" by when they joined; <base>wl:<line> gives each the time its place lapses, unless a try
--- keeps it (a waiter tries every 25-375 ms; one whose instance died loses its place within `place_ms`). Each
--- waiter ahead that the free items could serve now (first fit, in order, at most AHEAD of them) is counted out of
--- them; what is left must be `count` or more. A waiter that is served leaves the line here; one that gives up
--- leaves it by the service's ZREM (HoldStore.leaveLine) or when its place lapses.
+-- to wait, first fit. `line` names the filter (the service gives one to no filter, a value prefix alone, or one
+-- attribute alone: filters whose free items Redis counts exactly once a try of them has failed, as every such try
+-- removes the stale entries it meets) and is "" for a reserve that does not wait: like a fair semaphore's tryAcquire,
+-- that takes what is free. <base>wq:<line> orders the members "<count> <rid>" by a number drawn when each joined
+-- (<base>wn:<line>); <base>wl:<line> gives each the time its place lapses unless a try keeps it (a waiter tries every
+-- 25-375 ms; one whose instance died or stalled is passed over from `place_ms` after its last try, and one that comes
+-- back after that joins at the end). A try counts out of the free items, in order, each live waiter ahead of it (at
+-- most AHEAD) that they could serve now; what is left must be `count` or more. A waiter that is served leaves the
+-- line here; one that gives up leaves it by HoldStore.leaveLine, or is passed over once its place lapses.
 local queue, places, member
 if line ~= '' then
-  queue, places = base .. 'wq:' .. line, base .. 'wl:' .. line
-  if waits or redis.call('EXISTS', queue) == 1 then
-    local AHEAD = 64
-    local lapsed = redis.call('ZRANGEBYSCORE', places, '-inf', now, 'LIMIT', 0, AHEAD)
-    if #lapsed > 0 then
-      redis.call('ZREM', queue, unpack(lapsed))
-      redis.call('ZREM', places, unpack(lapsed))
+  local AHEAD = 64
+  local numbers = base .. 'wn:' .. line
+  queue, places, member = base .. 'wq:' .. line, base .. 'wl:' .. line, count .. ' ' .. rid
+  local place = redis.call('ZSCORE', places, member)
+  if not place or tonumber(place) <= now then redis.call('ZADD', queue, redis.call('INCR', numbers), member) end
+  redis.call('ZADD', places, now + place_ms, member)
+  redis.call('PEXPIRE', queue, place_ms)
+  redis.call('PEXPIRE', places, place_ms)
+  redis.call('PEXPIRE', numbers, place_ms)
+  local rank = redis.call('ZRANK', queue, member)
+  if rank > 0 then
+    local ahead = redis.call('ZRANGE', queue, 0, math.min(rank, AHEAD) - 1)
+    local lapses = redis.call('ZMSCORE', places, unpack(ahead))
+    local live, gone = {}, {}
+    for i, m in ipairs(ahead) do
+      local n = tonumber(string.match(m, '^(%d+) '))
+      if n and lapses[i] and tonumber(lapses[i]) > now then
+        live[#live + 1] = n
+      else
+        gone[#gone + 1] = m
+      end
     end
-    local ahead
-    if waits then
-      member = count .. ' ' .. rid
-      redis.call('ZADD', queue, 'NX', now, member)
-      redis.call('ZADD', places, now + place_ms, member)
-      redis.call('PEXPIRE', queue, place_ms)
-      redis.call('PEXPIRE', places, place_ms)
-      local rank = redis.call('ZRANK', queue, member)
-      ahead = rank > 0 and redis.call('ZRANGE', queue, 0, math.min(rank, AHEAD) - 1) or {}
-    else
-      ahead = redis.call('ZRANGE', queue, 0, AHEAD - 1)
+    if #gone > 0 then
+      redis.call('ZREM', queue, unpack(gone))
+      redis.call('ZREM', places, unpack(gone))
     end
-    if #ahead > 0 then
+    if #live > 0 then
       local left
       if attr_json ~= '' then
         local k, v = next(want)
@@ -100,14 +108,18 @@ if line ~= '' then
       else
         left = redis.call('ZCARD', free)
       end
-      for _, m in ipairs(ahead) do
-        local n = tonumber(string.match(m, '^%d+'))
-        if n <= left then left = left - n end
+      local kept = 0
+      for _, n in ipairs(live) do
+        if n <= left then
+          left = left - n
+          kept = kept + 1
+        end
       end
-      if left < count then return { 'exhausted', 'waiters', tostring(#ahead) } end
+      if kept > 0 and left < count then return { 'exhausted', 'waiters', tostring(kept) } end
     end
   end
 end
+
 local chosen, seen = {}, {}
 -- Items consider() found behind a wrong entry, to index under their own entry once a walk by rank is over (an
 -- entry added meanwhile would move the ranks of the members after it); nil: index them at once.
