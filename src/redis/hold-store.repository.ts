@@ -174,7 +174,7 @@ export function indexWrites(item: CachedItem): number {
  * 25-375 ms (ReservationsService), and one whose instance died or stalled holds up the items it waits for at most
  * this long; back after that, it joins at the end.
  */
-export const WAIT_PLACE_MS = 1_500;
+export const WAIT_PLACE_MS = 1_000;
 
 /**
  * The waiting line a reserve that waits takes its turn in (reserve.lua, `line`), or '' for none: one line for no
@@ -221,8 +221,8 @@ export class HoldStore implements OnApplicationShutdown {
   private readonly retentionMs: number;
   /** How long an open reservation's record outlives its hold (see OPEN_RECORD_MARGIN_MS). */
   private readonly openRecordMs: number;
-  /** Waiters' leaves sent and not answered yet (leaveLine): the connection closes after them. */
-  private readonly leaving = new Set<Promise<void>>();
+  /** Waiters' leaves sent and not answered yet (leaveLine), and waits under way (whileOpen): Redis closes after them. */
+  private readonly leaving = new Set<Promise<unknown>>();
 
   constructor(
     @Inject(REDIS) private readonly redis: Redis,
@@ -638,9 +638,23 @@ export class HoldStore implements OnApplicationShutdown {
     return (await this.command(() => this.redis.del(rebuildRunKey(this.prefix, run)))) === 1;
   }
 
-  /** Runs after the HTTP server has finished its in-flight requests, and after the leaves they sent (leaveLine). */
+  /**
+   * Runs `wait` (a reserve that waits: ReservationsService) so that the connection to Redis closes only after it: its
+   * caller may have hung up, so that the HTTP server closes before its last try, give-back or leave has run.
+   */
+  whileOpen<T>(wait: Promise<T>): Promise<T> {
+    const tracked = wait.then(
+      () => undefined,
+      () => undefined,
+    );
+    this.leaving.add(tracked);
+    void tracked.finally(() => this.leaving.delete(tracked));
+    return wait;
+  }
+
+  /** Runs after the HTTP server has finished its in-flight requests, and after the waits and leaves they began. */
   async onApplicationShutdown(): Promise<void> {
-    await Promise.all(this.leaving);
+    while (this.leaving.size > 0) await Promise.all(this.leaving);
     await this.redis.quit().catch(() => this.redis.disconnect());
   }
 

@@ -143,8 +143,12 @@ export class ReservationsService implements OnModuleDestroy {
    * Idempotency-Key hold as for one try; a key's replay or refusal, the owner's quota and a search cut short
    * (a filter that matches too rarely: trying again would cost as much and find as little) end the wait at once.
    */
-  private async reserveOrWait(pool: string, request: ReserveRequest, waitMs: number, gone?: AbortSignal): Promise<ReserveResult> {
+  private reserveOrWait(pool: string, request: ReserveRequest, waitMs: number, gone?: AbortSignal): Promise<ReserveResult> {
     if (waitMs === 0) return this.holds.reserve(pool, request);
+    return this.holds.whileOpen(this.waitFor(pool, request, waitMs, gone));
+  }
+
+  private async waitFor(pool: string, request: ReserveRequest, waitMs: number, gone?: AbortSignal): Promise<ReserveResult> {
     const most = this.config.MAX_WAITING_RESERVES;
     const tooMany = () =>
       new DomainError(
@@ -160,6 +164,7 @@ export class ReservationsService implements OnModuleDestroy {
     }
     const waiter: ReserveRequest = { ...request, waits: true };
     let result: ReserveResult | undefined;
+    let failed = false;
     try {
       result = await this.tryFor(pool, waiter, gone);
       if (result.status !== 'exhausted' || result.limited) return result;
@@ -182,13 +187,17 @@ export class ReservationsService implements OnModuleDestroy {
         this.waiting--;
         this.metrics.waitingReserves.dec();
       }
+    } catch (err) {
+      failed = true;
+      throw err;
     } finally {
       // Served, it left the line in the script; otherwise it leaves it before it answers (a caller trying again at
-      // once, on any instance, must not find itself ahead). At shutdown the 503 goes first, as the HTTP server is
-      // closing: the leave, sent now, still reaches Redis before this instance's connection to it closes.
+      // once, on any instance, must not find itself ahead). An error (a 503 from Redis or at shutdown, a 429) goes
+      // first: the leave, sent now, reaches Redis before this instance's connection to it closes (whileOpen), and a
+      // place it fails to take out is passed over once it lapses.
       if (result?.status !== 'ok') {
         const left = this.holds.leaveLine(pool, waiter);
-        if (!this.stopping) await left;
+        if (!failed) await left;
       }
     }
   }

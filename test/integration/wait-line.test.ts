@@ -1,6 +1,6 @@
 import type { Redis } from 'ioredis';
 import { randomUUID } from 'node:crypto';
-import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { afterAll, beforeAll, describe, expect, it, vi } from 'vitest';
 import { HoldStore, ReserveRequest, WAIT_PLACE_MS, waitingLine } from '../../src/redis/hold-store.repository.js';
 import { REDIS } from '../../src/redis/redis.client.js';
 import { makeReservationId, poolBase } from '../../src/redis/keys.js';
@@ -21,7 +21,8 @@ describe('reserves that wait take their turn', () => {
     api = await world.start();
     other = await world.start();
     holds = api.app.get(HoldStore);
-    redis = api.app.get<Redis>(REDIS);
+    // Another instance's connection: what `api` sent is not ahead of these reads on the same connection by itself.
+    redis = other.app.get<Redis>(REDIS);
   });
   afterAll(() => world.cleanup());
 
@@ -59,6 +60,13 @@ describe('reserves that wait take their turn', () => {
     const second = request('turns', 'second', 1, true);
     expect(await holds.reserve('turns', first)).toEqual({ status: 'exhausted', limited: false });
     expect(await holds.reserve('turns', second)).toEqual({ status: 'exhausted', limited: false });
+    // Turns numbered as they were given, not by the millisecond (two joins in one are in order too).
+    expect(await redis.zrange(`${poolBase(world.prefix, 'turns')}wq:-`, 0, -1, 'WITHSCORES')).toEqual([
+      `1 ${first.reservationId}`,
+      '1',
+      `1 ${second.reservationId}`,
+      '2',
+    ]);
     await release(blocker);
     // The item is free, but it is the first waiter's.
     expect(await holds.reserve('turns', second)).toEqual({ status: 'exhausted', limited: false, waitersAhead: 1 });
@@ -103,7 +111,9 @@ describe('reserves that wait take their turn', () => {
     const last = request('fit', 'last', 2, true);
     for (const r of [big, small, last]) expect((await holds.reserve('fit', r)).status).toBe('exhausted');
     await release(held[0]);
-    // One free: the waiter for 3 cannot use it, so the waiter for 1 behind it gets it.
+    // One free: too few for the waiter for 2 whatever is kept (no waitersAhead); the waiter for 3 cannot use it, so
+    // the waiter for 1 behind it gets it.
+    expect(await holds.reserve('fit', last)).toEqual({ status: 'exhausted', limited: false });
     expect((await holds.reserve('fit', small)).status).toBe('ok');
     for (const id of held.slice(1, 4)) await release(id);
     // Three free, kept for the waiter for 3: none for the waiter for 2 behind it.
@@ -156,11 +166,11 @@ describe('reserves that wait take their turn', () => {
     const joined = Date.now();
     expect((await holds.reserve('stalled', stalled)).status).toBe('exhausted');
     expect((await holds.reserve('stalled', next)).status).toBe('exhausted');
-    while (Date.now() - joined < WAIT_PLACE_MS + 200) {
-      await sleep(300);
-      expect((await holds.reserve('stalled', next)).status).toBe('exhausted');
-    }
-    // Back: its place has lapsed, and it joins behind the one that kept trying.
+    // The one behind keeps its place, and finds the stalled one still live, so leaves it in the line.
+    await sleep(WAIT_PLACE_MS * 0.6 - (Date.now() - joined));
+    expect((await holds.reserve('stalled', next)).status).toBe('exhausted');
+    // Back after its place lapsed, before the one behind has tried again: it joins behind it.
+    await sleep(WAIT_PLACE_MS * 1.1 - (Date.now() - joined));
     expect(await holds.reserve('stalled', stalled)).toEqual({ status: 'exhausted', limited: false });
     await release(blocker);
     expect(await holds.reserve('stalled', stalled)).toEqual({ status: 'exhausted', limited: false, waitersAhead: 1 });
@@ -182,23 +192,47 @@ describe('reserves that wait take their turn', () => {
     expect((await holds.reserve('crowd', live)).status).toBe('ok');
   });
 
-  it('a place in the line without its lapse time (half taken out) holds nobody up', async () => {
+  it("a place half taken out of the line, or not a waiter's, holds nobody up and breaks nothing", async () => {
     await seedPool(api, 'half', numbers(1));
     const [blocker] = await holdAll('half', 1);
     const half = request('half', 'half', 1, true);
     const next = request('half', 'next', 1, true);
     expect((await holds.reserve('half', half)).status).toBe('exhausted');
     expect((await holds.reserve('half', next)).status).toBe('exhausted');
-    await redis.zrem(`${poolBase(world.prefix, 'half')}wl:-`, `1 ${half.reservationId}`);
+    const base = poolBase(world.prefix, 'half');
+    await redis.zrem(`${base}wl:-`, `1 ${half.reservationId}`);
+    // And a member that is not "<count> <rid>", with a place.
+    await redis.zadd(`${base}wq:-`, 0, 'junk');
+    await redis.zadd(`${base}wl:-`, Date.now() + 60_000, 'junk');
     await release(blocker);
     expect((await holds.reserve('half', next)).status).toBe('ok');
+    expect(await redis.zrange(`${base}wq:-`, 0, -1)).toEqual([]);
+    // The other half: a live place whose member is gone from the order. Its next try joins at the end.
+    const blocker2 = next.reservationId;
+    const again = request('half', 'again', 1, true);
+    expect((await holds.reserve('half', again)).status).toBe('exhausted');
+    await redis.zrem(`${base}wq:-`, `1 ${again.reservationId}`);
+    expect((await holds.reserve('half', again)).status).toBe('exhausted');
+    expect(await redis.zrange(`${base}wq:-`, 0, -1)).toEqual([`1 ${again.reservationId}`]);
+    await release(blocker2);
+    expect((await holds.reserve('half', again)).status).toBe('ok');
   });
 
   it('a waiter that gives up, is replayed or hangs up leaves the line before it answers', async () => {
     await seedPool(api, 'leave', numbers(2));
     const blockers = await holdAll('leave', 2);
-    // Gives up.
-    expect((await reserve('leave', { owner: 'gave-up', count: 1, waitMs: 300 })).status).toBe(409);
+    // Gives up; its leave is slowed, and still done before the answer.
+    const real = holds.leaveLine.bind(holds);
+    const slowed = vi.spyOn(holds, 'leaveLine').mockImplementation(async (pool, req) => {
+      await sleep(300);
+      await real(pool, req);
+    });
+    try {
+      expect((await reserve('leave', { owner: 'gave-up', count: 1, waitMs: 300 })).status).toBe(409);
+      expect(slowed).toHaveBeenCalledTimes(1);
+    } finally {
+      slowed.mockRestore();
+    }
     expect(await line('leave')).toEqual([]);
     // Replayed: an earlier send with its key got the item while it waited.
     const keyed = (on: TestInstance) =>
@@ -226,14 +260,55 @@ describe('reserves that wait take their turn', () => {
     await release(blockers[1]);
   });
 
-  it('past MAX_WAITING_RESERVES, one more tries once without a turn and is 429: it leaves nothing in the line', async () => {
+  it("an instance closing while a hung-up waiter's try is under way closes Redis only after its leave", async () => {
+    const closing = await world.start();
+    await seedPool(closing, 'closing', numbers(1));
+    await holdAll('closing', 1);
+    const closingHolds = closing.app.get(HoldStore);
+    const real = closingHolds.reserve.bind(closingHolds);
+    let slow = false;
+    let inTry!: () => void;
+    const tryStarted = new Promise<void>((resolve) => (inTry = resolve));
+    const spy = vi.spyOn(closingHolds, 'reserve').mockImplementation(async (pool, req) => {
+      if (slow && req.waits) {
+        inTry();
+        await sleep(500);
+      }
+      return real(pool, req);
+    });
+    try {
+      const abort = new AbortController();
+      const gone = fetch(`${closing.url}/v1/pools/closing/reservations`, {
+        method: 'POST',
+        headers: { 'content-type': 'application/json' },
+        body: JSON.stringify({ owner: 'gone', count: 1, waitMs: 10_000 }),
+        signal: abort.signal,
+      }).catch((err: Error) => err.name);
+      await sleep(200);
+      expect((await line('closing')).length).toBe(1);
+      slow = true;
+      await tryStarted;
+      abort.abort();
+      expect(await gone).toBe('AbortError');
+      await closing.close();
+    } finally {
+      spy.mockRestore();
+    }
+    expect(await line('closing')).toEqual([]);
+  });
+
+  it('past MAX_WAITING_RESERVES, one more tries once without a turn, then is 429: it leaves nothing in the line', async () => {
     const narrow = await world.start({ MAX_WAITING_RESERVES: '1' });
-    await seedPool(narrow, 'narrow', numbers(1));
+    await seedPool(narrow, 'narrow', numbers(2));
     await holdAll('narrow', 1);
-    const waiting = narrow.post('/v1/pools/narrow/reservations', { owner: 'b', count: 1, waitMs: 1_000 });
+    // One free: the waiter for 2 waits, and takes the instance's one place for waiters.
+    const waiting = narrow.post('/v1/pools/narrow/reservations', { owner: 'b', count: 2, waitMs: 1_000 });
     await sleep(100);
     const [first] = await line('narrow');
-    expect((await narrow.post('/v1/pools/narrow/reservations', { owner: 'c', count: 1, waitMs: 1_000 })).status).toBe(429);
+    expect(first).toMatch(/^2 /);
+    // Its try without a turn finds the free item.
+    expect((await narrow.post('/v1/pools/narrow/reservations', { owner: 'c', count: 1, waitMs: 1_000 })).status).toBe(201);
+    expect((await narrow.post('/v1/pools/narrow/reservations', { owner: 'd', count: 1, waitMs: 1_000 })).status).toBe(429);
     expect(await line('narrow')).toEqual([first]);
     expect((await waiting).status).toBe(409);
     expect(await line('narrow')).toEqual([]);

@@ -19,7 +19,8 @@
 --   <base>og:<owner>     HASH group -> live leases of that owner in the group (task affinity)
 --   <base>idem:<key>     STRING "<rid>\n<body hash>", PX = idempotency TTL
 --   <base>gen            STRING, the Redis generation this pool's free index was built in (see t_redis_generation)
---   <base>wq:<line>      ZSET "<count> <rid>" -> ms it began to wait: the reserves waiting (waitMs) in one filter's line
+--   <base>wq:<line>      ZSET "<count> <rid>" -> its turn: the reserves waiting (waitMs) in one filter's line, in order
+--   <base>wn:<line>      STRING, the last turn given in the line (INCR)
 --   <base>wl:<line>      ZSET, the same members -> ms at which each one's place lapses unless it tries again
 -- Reservation fields: o owner, k kind ("r" reservation, "l" lease), s state (held, confirming, confirmed,
 -- released, expired), i items (JSON array of item JSON), c created ms, e expires ms, x outcome JSON,

@@ -75,13 +75,15 @@ if line ~= '' then
   local AHEAD = 64
   local numbers = base .. 'wn:' .. line
   queue, places, member = base .. 'wq:' .. line, base .. 'wl:' .. line, count .. ' ' .. rid
-  local place = redis.call('ZSCORE', places, member)
-  if not place or tonumber(place) <= now then redis.call('ZADD', queue, redis.call('INCR', numbers), member) end
+  local place, rank = redis.call('ZSCORE', places, member), redis.call('ZRANK', queue, member)
+  if not rank or not place or tonumber(place) <= now then
+    redis.call('ZADD', queue, redis.call('INCR', numbers), member)
+    rank = redis.call('ZRANK', queue, member)
+  end
   redis.call('ZADD', places, now + place_ms, member)
   redis.call('PEXPIRE', queue, place_ms)
   redis.call('PEXPIRE', places, place_ms)
   redis.call('PEXPIRE', numbers, place_ms)
-  local rank = redis.call('ZRANK', queue, member)
   if rank > 0 then
     local ahead = redis.call('ZRANGE', queue, 0, math.min(rank, AHEAD) - 1)
     local lapses = redis.call('ZMSCORE', places, unpack(ahead))
@@ -108,14 +110,14 @@ if line ~= '' then
       else
         left = redis.call('ZCARD', free)
       end
-      local kept = 0
+      local kept, free_now = 0, left
       for _, n in ipairs(live) do
         if n <= left then
           left = left - n
           kept = kept + 1
         end
       end
-      if kept > 0 and left < count then return { 'exhausted', 'waiters', tostring(kept) } end
+      if left < count then return free_now >= count and { 'exhausted', 'waiters', tostring(kept) } or { 'exhausted' } end
     end
   end
 end
