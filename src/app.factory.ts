@@ -189,3 +189,19 @@ export async function createApp(config: AppConfig, options: { logger?: boolean }
   await app.init();
   return app;
 }
+
+/**
+ * Closes the app gracefully: no new connections, the requests in flight answered, then Nest's shutdown hooks. A
+ * keep-alive connection whose last request ends while the app closes (a reserve that was waiting, answered 503)
+ * would hold the server open until its idle timeout: each is closed as soon as it is idle.
+ */
+export async function closeGracefully(app: NestFastifyApplication): Promise<void> {
+  const server = app.getHttpServer();
+  const idle = setInterval(() => server.closeIdleConnections(), 50);
+  idle.unref();
+  try {
+    await app.close();
+  } finally {
+    clearInterval(idle);
+  }
+}

@@ -1,7 +1,7 @@
 import 'reflect-metadata';
 import { Logger } from '@nestjs/common';
 import { ConfigError, loadConfig } from './config/app-config.js';
-import { createApp } from './app.factory.js';
+import { closeGracefully, createApp } from './app.factory.js';
 import { StartupError } from './common/dependency-errors.js';
 
 async function main(): Promise<void> {
@@ -21,11 +21,7 @@ async function main(): Promise<void> {
         console.error(`respool: shutdown took longer than ${config.SHUTDOWN_TIMEOUT_MS} ms; exiting`);
         process.exit(1);
       }, config.SHUTDOWN_TIMEOUT_MS).unref();
-      // Keep-alive connections that finish their last request while we drain would hold the server open
-      // until their idle timeout: close each as soon as it is idle.
-      const server = app.getHttpServer();
-      setInterval(() => server.closeIdleConnections(), 50).unref();
-      app.close().then(
+      closeGracefully(app).then(
         () => process.exit(0),
         (err: unknown) => {
           console.error('respool: error during shutdown', err);

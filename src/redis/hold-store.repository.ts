@@ -79,9 +79,10 @@ export type ReserveResult =
   /** `limited`: a filtered reserve stopped looking before it had seen every candidate (reserve.lua, MAX_LOOKUPS). */
   /**
    * `waitersAhead`: a reserve that waits found `count` free but for the items kept for this many reserves that began to
-   * wait before it, with its filter (reserve.lua, `line`).
+   * wait before it, with its filter (reserve.lua, `line`). `inLine`: for a reserve that waits in a line, how many live
+   * waiters are ahead of it (of the first 64).
    */
-  | { status: 'exhausted'; limited: boolean; waitersAhead?: number }
+  | { status: 'exhausted'; limited: boolean; waitersAhead?: number; inLine?: number }
   | { status: 'quota'; held: number }
   | { status: 'reused' };
 
@@ -170,8 +171,8 @@ export function indexWrites(item: CachedItem): number {
 }
 
 /**
- * A waiter keeps its place in the waiting line this long without a try (reserve.lua, `line`): a waiter tries every
- * 25-375 ms (ReservationsService), and one whose instance died or stalled holds up the items it waits for at most
+ * A waiter keeps its place in the waiting line this long without a try (reserve.lua, `line`): a waiter tries at least
+ * every 375 ms (ReservationsService), and one whose instance died or stalled holds up the items it waits for at most
  * this long; back after that, it joins at the end.
  */
 export const WAIT_PLACE_MS = 1_000;
@@ -318,9 +319,14 @@ export class HoldStore implements OnApplicationShutdown {
       case 'quota':
         return { status: 'quota', held: Number(reply[1]) };
       case 'exhausted':
-        return reply[1] === 'waiters'
-          ? { status: 'exhausted', limited: false, waitersAhead: Number(reply[2]) }
-          : { status: 'exhausted', limited: reply[1] === 'limited' };
+        switch (reply[1]) {
+          case 'waiters':
+            return { status: 'exhausted', limited: false, waitersAhead: Number(reply[2]), inLine: Number(reply[3]) };
+          case 'line':
+            return { status: 'exhausted', limited: false, inLine: Number(reply[2]) };
+          default:
+            return { status: 'exhausted', limited: reply[1] === 'limited' };
+        }
       default:
         return { status: 'reused' };
     }

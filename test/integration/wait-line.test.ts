@@ -58,8 +58,8 @@ describe('reserves that wait take their turn', () => {
     const [blocker] = await holdAll('turns', 1);
     const first = request('turns', 'first', 1, true);
     const second = request('turns', 'second', 1, true);
-    expect(await holds.reserve('turns', first)).toEqual({ status: 'exhausted', limited: false });
-    expect(await holds.reserve('turns', second)).toEqual({ status: 'exhausted', limited: false });
+    expect(await holds.reserve('turns', first)).toEqual({ status: 'exhausted', limited: false, inLine: 0 });
+    expect(await holds.reserve('turns', second)).toEqual({ status: 'exhausted', limited: false, inLine: 1 });
     // Turns numbered as they were given, not by the millisecond (two joins in one are in order too).
     expect(await redis.zrange(`${poolBase(world.prefix, 'turns')}wq:-`, 0, -1, 'WITHSCORES')).toEqual([
       `1 ${first.reservationId}`,
@@ -69,10 +69,10 @@ describe('reserves that wait take their turn', () => {
     ]);
     await release(blocker);
     // The item is free, but it is the first waiter's.
-    expect(await holds.reserve('turns', second)).toEqual({ status: 'exhausted', limited: false, waitersAhead: 1 });
+    expect(await holds.reserve('turns', second)).toEqual({ status: 'exhausted', limited: false, waitersAhead: 1, inLine: 1 });
     expect((await holds.reserve('turns', first)).status).toBe('ok');
     // Served, the first has left the line: the second is next when the item comes back.
-    expect(await holds.reserve('turns', second)).toEqual({ status: 'exhausted', limited: false });
+    expect(await holds.reserve('turns', second)).toEqual({ status: 'exhausted', limited: false, inLine: 0 });
     expect(await line('turns')).toEqual([`1 ${second.reservationId}`]);
     await release(first.reservationId);
     expect((await holds.reserve('turns', second)).status).toBe('ok');
@@ -103,6 +103,31 @@ describe('reserves that wait take their turn', () => {
     expect(served).toEqual(['w0', 'w1', 'w2', 'w3', 'w4']);
   });
 
+  it('the first in line tries again every 50-75 ms, whatever its backoff; those behind it back off to 250-375 ms', async () => {
+    await seedPool(api, 'quick', numbers(1));
+    await holdAll('quick', 1);
+    const real = holds.reserve.bind(holds);
+    const tries: { owner: string; at: number }[] = [];
+    const spy = vi.spyOn(holds, 'reserve').mockImplementation(async (pool, req) => {
+      if (pool === 'quick') tries.push({ owner: req.owner, at: Date.now() });
+      return real(pool, req);
+    });
+    try {
+      const started = Date.now();
+      const head = reserve('quick', { owner: 'head', count: 1, waitMs: 2_000 });
+      await sleep(100);
+      const behind = reserve('quick', { owner: 'behind', count: 1, waitMs: 2_000 });
+      expect((await head).status).toBe(409);
+      expect((await behind).status).toBe(409);
+      // In the second after the backoffs have grown: the head's pause stays short, the other's is at its longest.
+      const during = (owner: string) => tries.filter((t) => t.owner === owner && t.at >= started + 600 && t.at < started + 1_600).length;
+      expect(during('head')).toBeGreaterThanOrEqual(9);
+      expect(during('behind')).toBeLessThanOrEqual(5);
+    } finally {
+      spy.mockRestore();
+    }
+  });
+
   it('first fit: a later waiter gets the items an earlier one cannot use yet, and no more', async () => {
     await seedPool(api, 'fit', numbers(5));
     const held = await holdAll('fit', 5);
@@ -113,11 +138,11 @@ describe('reserves that wait take their turn', () => {
     await release(held[0]);
     // One free: too few for the waiter for 2 whatever is kept (no waitersAhead); the waiter for 3 cannot use it, so
     // the waiter for 1 behind it gets it.
-    expect(await holds.reserve('fit', last)).toEqual({ status: 'exhausted', limited: false });
+    expect(await holds.reserve('fit', last)).toEqual({ status: 'exhausted', limited: false, inLine: 2 });
     expect((await holds.reserve('fit', small)).status).toBe('ok');
     for (const id of held.slice(1, 4)) await release(id);
     // Three free, kept for the waiter for 3: none for the waiter for 2 behind it.
-    expect(await holds.reserve('fit', last)).toEqual({ status: 'exhausted', limited: false, waitersAhead: 1 });
+    expect(await holds.reserve('fit', last)).toEqual({ status: 'exhausted', limited: false, waitersAhead: 1, inLine: 1 });
     expect((await holds.reserve('fit', big)).status).toBe('ok');
     await release(held[4]);
     await release(small.reservationId);
@@ -132,7 +157,7 @@ describe('reserves that wait take their turn', () => {
     expect((await holds.reserve('barge', waiter)).status).toBe('exhausted');
     await release(blocker);
     expect((await reserve('barge', { owner: 'plain', count: 1 })).status).toBe(201);
-    expect(await holds.reserve('barge', waiter)).toEqual({ status: 'exhausted', limited: false });
+    expect(await holds.reserve('barge', waiter)).toEqual({ status: 'exhausted', limited: false, inLine: 0 });
   });
 
   it("a waiter whose instance died is passed over once its place lapses: the item is the next one's within 2 s", async () => {
@@ -171,9 +196,9 @@ describe('reserves that wait take their turn', () => {
     expect((await holds.reserve('stalled', next)).status).toBe('exhausted');
     // Back after its place lapsed, before the one behind has tried again: it joins behind it.
     await sleep(WAIT_PLACE_MS * 1.1 - (Date.now() - joined));
-    expect(await holds.reserve('stalled', stalled)).toEqual({ status: 'exhausted', limited: false });
+    expect(await holds.reserve('stalled', stalled)).toEqual({ status: 'exhausted', limited: false, inLine: 1 });
     await release(blocker);
-    expect(await holds.reserve('stalled', stalled)).toEqual({ status: 'exhausted', limited: false, waitersAhead: 1 });
+    expect(await holds.reserve('stalled', stalled)).toEqual({ status: 'exhausted', limited: false, waitersAhead: 1, inLine: 1 });
     expect((await holds.reserve('stalled', next)).status).toBe('ok');
   });
 
@@ -327,9 +352,9 @@ describe('reserves that wait take their turn', () => {
     // The bj waiter, first of all, holds up nobody in another line: not the sh waiter, not the prefix waiters, who
     // want the same bj number; in the prefix line, the first comes first.
     expect((await holds.reserve('lines', sh)).status).toBe('ok');
-    expect(await holds.reserve('lines', prefixLater)).toEqual({ status: 'exhausted', limited: false, waitersAhead: 1 });
+    expect(await holds.reserve('lines', prefixLater)).toEqual({ status: 'exhausted', limited: false, waitersAhead: 1, inLine: 1 });
     expect((await holds.reserve('lines', byPrefix)).status).toBe('ok');
-    expect(await holds.reserve('lines', bj)).toEqual({ status: 'exhausted', limited: false });
+    expect(await holds.reserve('lines', bj)).toEqual({ status: 'exhausted', limited: false, inLine: 0 });
     expect(waitingLine({ kind: 'r', attributes: { city: 'bj' }, valuePrefix: '139' })).toBe('');
     expect(waitingLine({ kind: 'r', attributes: { city: 'bj', kind: 'vip' } })).toBe('');
   });

@@ -1,7 +1,7 @@
 import type { NestFastifyApplication } from '@nestjs/platform-fastify';
 import { randomBytes } from 'node:crypto';
 import pg from 'pg';
-import { createApp } from '../../src/app.factory.js';
+import { closeGracefully, createApp } from '../../src/app.factory.js';
 import { PoolRepository } from '../../src/database/pool.repository.js';
 import { AllocationResult, ResourceRepository } from '../../src/database/resource.repository.js';
 import { HoldStore, READ_MAX_AGE_MS } from '../../src/redis/hold-store.repository.js';
@@ -45,15 +45,15 @@ export class TestInstance {
   stats = async (pool: string) => (await this.get(`/v1/pools/${pool}`)).body.stats;
 
   /**
-   * Closes the app. A connection the tests' own HTTP client opened and sent nothing on (undici does, after an
-   * aborted request) is not idle to Node, and would hold the close for the server's keep-alive timeout (72 s):
-   * whatever is still connected 5 s into the close is cut.
+   * Closes the app as SIGTERM does (closeGracefully). A connection the tests' own HTTP client opened and sent nothing
+   * on (undici does, after an aborted request) is not idle to Node, and would hold the close for the server's
+   * keep-alive timeout (72 s): whatever is still connected 5 s into the close is cut.
    */
   async close(): Promise<void> {
     const server = this.app.getHttpServer();
     const cut = setTimeout(() => server.closeAllConnections(), 5000);
     try {
-      await this.app.close();
+      await closeGracefully(this.app);
     } finally {
       clearTimeout(cut);
     }

@@ -9,8 +9,8 @@
 --       a waiter keeps its place without a try, ms
 -- Returns: {"ok"|"replay", rid, state, owner, kind, createdMs, expiresMs, itemsJson, outcomeJson, nowMs}
 --          or {"exhausted"} | {"exhausted", "limited"} (a filtered walk stopped at MAX_LOOKUPS) | {"quota", heldNow}
---          | {"exhausted", "waiters", n} (enough would be free but for the n waiters before it they are kept for)
---          | {"reused"}
+--          | {"reused"}; for a waiter, {"exhausted", "line", a} or {"exhausted", "waiters", n, a} (enough would be free
+--          but for the n waiters before it they are kept for), a = live waiters ahead of it
 local base, rid, owner = ARGV[1], ARGV[2], ARGV[3]
 local count, ttl, max_holds = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
 local kind, open_record_ms = ARGV[7], tonumber(ARGV[8])
@@ -65,12 +65,14 @@ local want = attr_json ~= '' and cjson.decode(attr_json) or {}
 -- attribute alone: filters whose free items Redis counts exactly once a try of them has failed, as every such try
 -- removes the stale entries it meets) and is "" for a reserve that does not wait: like a fair semaphore's tryAcquire,
 -- that takes what is free. <base>wq:<line> orders the members "<count> <rid>" by a number drawn when each joined
--- (<base>wn:<line>); <base>wl:<line> gives each the time its place lapses unless a try keeps it (a waiter tries every
--- 25-375 ms; one whose instance died or stalled is passed over from `place_ms` after its last try, and one that comes
--- back after that joins at the end). A try counts out of the free items, in order, each live waiter ahead of it (at
--- most AHEAD) that they could serve now; what is left must be `count` or more. A waiter that is served leaves the
--- line here; one that gives up leaves it by HoldStore.leaveLine, or is passed over once its place lapses.
-local queue, places, member
+-- (<base>wn:<line>); <base>wl:<line> gives each the time its place lapses unless a try keeps it (a waiter tries at
+-- least every 375 ms; one whose instance died or stalled is passed over from `place_ms` after its last try, and one
+-- that comes back after that joins at the end). A try counts out of the free items, in order, each live waiter ahead
+-- of it (at most AHEAD) that they could serve now; what is left must be `count` or more. A waiter that is served
+-- leaves the line here; one that gives up leaves it by HoldStore.leaveLine, or is passed over once its place lapses.
+-- ahead_live: how many live waiters are ahead of this one (of the AHEAD first), reported with "exhausted": the first
+-- in line (0) tries again sooner than the others (ReservationsService).
+local queue, places, member, ahead_live
 if line ~= '' then
   local AHEAD = 64
   local numbers = base .. 'wn:' .. line
@@ -84,10 +86,11 @@ if line ~= '' then
   redis.call('PEXPIRE', queue, place_ms)
   redis.call('PEXPIRE', places, place_ms)
   redis.call('PEXPIRE', numbers, place_ms)
+  local live = {}
   if rank > 0 then
     local ahead = redis.call('ZRANGE', queue, 0, math.min(rank, AHEAD) - 1)
     local lapses = redis.call('ZMSCORE', places, unpack(ahead))
-    local live, gone = {}, {}
+    local gone = {}
     for i, m in ipairs(ahead) do
       local n = tonumber(string.match(m, '^(%d+) '))
       if n and lapses[i] and tonumber(lapses[i]) > now then
@@ -100,26 +103,27 @@ if line ~= '' then
       redis.call('ZREM', queue, unpack(gone))
       redis.call('ZREM', places, unpack(gone))
     end
-    if #live > 0 then
-      local left
-      if attr_json ~= '' then
-        local k, v = next(want)
-        left = redis.call('ZCARD', attr_key(base, k, v))
-      elseif prefix ~= '' then
-        left = redis.call('ZLEXCOUNT', free, '[' .. prefix, '(' .. prefix .. '\255')
-      else
-        left = redis.call('ZCARD', free)
-      end
-      local kept, free_now = 0, left
-      for _, n in ipairs(live) do
-        if n <= left then
-          left = left - n
-          kept = kept + 1
-        end
-      end
-      if left < count then return free_now >= count and { 'exhausted', 'waiters', tostring(kept) } or { 'exhausted' } end
+  end
+  ahead_live = tostring(#live)
+  -- What the pick below could find at most (index entries, stale ones included): too few, and it need not look.
+  local left
+  if attr_json ~= '' then
+    local k, v = next(want)
+    left = redis.call('ZCARD', attr_key(base, k, v))
+  elseif prefix ~= '' then
+    left = redis.call('ZLEXCOUNT', free, '[' .. prefix, '(' .. prefix .. '\255')
+  else
+    left = redis.call('ZCARD', free)
+  end
+  if left < count then return { 'exhausted', 'line', ahead_live } end
+  local kept = 0
+  for _, n in ipairs(live) do
+    if n <= left then
+      left = left - n
+      kept = kept + 1
     end
   end
+  if left < count then return { 'exhausted', 'waiters', tostring(kept), ahead_live } end
 end
 
 local chosen, seen = {}, {}
@@ -349,7 +353,8 @@ if #chosen < count then
   -- All or nothing: give back what was taken.
   for _, item in ipairs(items) do redis.call('DEL', base .. 'h:' .. item.id) end
   index_all(base, items)
-  return limited and { 'exhausted', 'limited' } or { 'exhausted' }
+  if limited then return { 'exhausted', 'limited' } end
+  return ahead_live and { 'exhausted', 'line', ahead_live } or { 'exhausted' }
 end
 
 local rkey = base .. 'r:' .. rid
