@@ -53,6 +53,12 @@ export class MetricsService {
     registers: [this.registry],
   });
 
+  readonly waitingFirstInLine = new Gauge({
+    name: 'respool_waiting_reserves_first_in_line',
+    help: 'Waiting reserves on this instance that are first in their waiting line and try again at most every 75 ms (at most 64)',
+    registers: [this.registry],
+  });
+
   readonly rebuilds = new Counter({
     name: 'respool_rebuilds_total',
     help: 'Rebuilds of the Redis free index from Postgres run by this instance, by reason',

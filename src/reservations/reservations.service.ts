@@ -21,12 +21,15 @@ export const IDEMPOTENCY_KEY = /^[\x21-\x7e]{1,255}$/;
  * wait drawn at random between the pause and 1.5 times it (so that waiters spread out): an item freed anywhere is
  * found within 1.5 × WAIT_MAX_PAUSE_MS, and a waiter costs Redis at most one reserve script per pause. Waiters take
  * their turn: the items a filter's waiters could use go to the one that began to wait first (reserve.lua, `line`),
- * and that one, told it has no live waiter ahead, pauses only WAIT_HEAD_PAUSE_MS (to 1.5 times it) whatever its
- * backoff: it finds items within 75 ms of their return, and only one waiter a line tries that often.
+ * and that one, told it has no live waiter ahead, pauses at most WAIT_HEAD_PAUSE_MS (to 1.5 times it) whatever its
+ * backoff, so that it tries again within 75 ms of their return. Only one waiter a line is first, but a client may
+ * make every waiter the first of a line of its own (a filter each): at most WAIT_MAX_HEADS waiters an instance
+ * pause so briefly, the others keep their backoff.
  */
 export const WAIT_FIRST_PAUSE_MS = 25;
 export const WAIT_MAX_PAUSE_MS = 250;
 export const WAIT_HEAD_PAUSE_MS = 50;
+export const WAIT_MAX_HEADS = 64;
 
 export interface ReserveAnswer {
   /** false when an Idempotency-Key replayed an earlier reservation (200 instead of 201). */
@@ -61,6 +64,8 @@ export class ReservationsService implements OnModuleDestroy {
   private readonly pauses = new Set<(goOn: boolean) => void>();
   /** Reserves waiting for free items now (AppConfig.MAX_WAITING_RESERVES). */
   private waiting = 0;
+  /** Waiters first in their line, pausing briefly now (WAIT_MAX_HEADS). */
+  private heads = 0;
   private stopping = false;
 
   constructor(
@@ -175,11 +180,18 @@ export class ReservationsService implements OnModuleDestroy {
       const deadline = Date.now() + waitMs;
       this.waiting++;
       this.metrics.waitingReserves.inc();
+      let head = false;
       try {
         for (let pause = WAIT_FIRST_PAUSE_MS; ; pause = Math.min(2 * pause, WAIT_MAX_PAUSE_MS)) {
           const left = deadline - Date.now();
           if (left <= 0 || gone?.aborted) return result;
-          const next = result.status === 'exhausted' && result.inLine === 0 ? Math.min(pause, WAIT_HEAD_PAUSE_MS) : pause;
+          const first = result.status === 'exhausted' && result.inLine === 0;
+          if (first !== head && (!first || this.heads < WAIT_MAX_HEADS)) {
+            head = first;
+            this.heads += head ? 1 : -1;
+            this.metrics.waitingFirstInLine.set(this.heads);
+          }
+          const next = head ? Math.min(pause, WAIT_HEAD_PAUSE_MS) : pause;
           if (!(await this.pause(Math.min(left, next + Math.random() * (next / 2)), gone))) {
             throw DomainError.shuttingDown();
           }
@@ -189,6 +201,7 @@ export class ReservationsService implements OnModuleDestroy {
         }
       } finally {
         this.waiting--;
+        if (head) this.metrics.waitingFirstInLine.set(--this.heads);
         this.metrics.waitingReserves.dec();
       }
     } catch (err) {

@@ -103,7 +103,7 @@ describe('reserves that wait take their turn', () => {
     expect(served).toEqual(['w0', 'w1', 'w2', 'w3', 'w4']);
   });
 
-  it('the first in line tries again every 50-75 ms, whatever its backoff; those behind it back off to 250-375 ms', async () => {
+  it('the first in line tries again at most every 75 ms, whatever its backoff; those behind it back off to 250-375 ms', async () => {
     await seedPool(api, 'quick', numbers(1));
     await holdAll('quick', 1);
     const real = holds.reserve.bind(holds);
@@ -121,11 +121,44 @@ describe('reserves that wait take their turn', () => {
       expect((await behind).status).toBe(409);
       // In the second after the backoffs have grown: the head's pause stays short, the other's is at its longest.
       const during = (owner: string) => tries.filter((t) => t.owner === owner && t.at >= started + 600 && t.at < started + 1_600).length;
-      expect(during('head')).toBeGreaterThanOrEqual(9);
+      expect(during('head')).toBeGreaterThanOrEqual(6);
+      expect(during('head')).toBeGreaterThanOrEqual(2 * during('behind'));
       expect(during('behind')).toBeLessThanOrEqual(5);
     } finally {
       spy.mockRestore();
     }
+  });
+
+  it('at most 64 waiters an instance try that often, however many are first in a line of their own', async () => {
+    await seedPool(api, 'heads', numbers(1));
+    await holdAll('heads', 1);
+    // 70 waiters, each the first and only one of its line (a value prefix of its own).
+    const waiters = Array.from({ length: 70 }, (_, i) =>
+      reserve('heads', { owner: `w${i}`, count: 1, waitMs: 1_500, filter: { valuePrefix: `1380000${String(i).padStart(3, '0')}` } }),
+    );
+    await sleep(700);
+    expect((await api.get('/metrics')).body).toMatch(/^respool_waiting_reserves_first_in_line 64$/m);
+    expect((await Promise.all(waiters)).every((r) => r.status === 409)).toBe(true);
+    expect((await api.get('/metrics')).body).toMatch(/^respool_waiting_reserves_first_in_line 0$/m);
+  });
+
+  it('a waiter that needs more than the index lists stops before its pick; the next that fits the count drains stale entries', async () => {
+    await seedPool(api, 'stale', numbers(2));
+    const [blocker] = await holdAll('stale', 2);
+    const free = `${poolBase(world.prefix, 'stale')}free`;
+    const stale = '13899999999\u0000999999';
+    await redis.zadd(free, 0, stale);
+    await release(blocker);
+    // One real entry and one stale: the waiter for 3 stops at the count, and leaves the stale entry where it is.
+    const big = request('stale', 'big', 3, true);
+    expect(await holds.reserve('stale', big)).toEqual({ status: 'exhausted', limited: false, inLine: 0 });
+    expect(await redis.zscore(free, stale)).toBe('0');
+    // The waiter for 2 behind it fits the count (nothing is kept for the first, which cannot use 2): its pick meets
+    // the stale entry, fails and drains it, and gives the real item back.
+    const two = request('stale', 'two', 2, true);
+    expect(await holds.reserve('stale', two)).toEqual({ status: 'exhausted', limited: false, inLine: 1 });
+    expect(await redis.zscore(free, stale)).toBeNull();
+    expect(await redis.zcard(free)).toBe(1);
   });
 
   it('first fit: a later waiter gets the items an earlier one cannot use yet, and no more', async () => {

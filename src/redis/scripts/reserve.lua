@@ -62,8 +62,8 @@ local want = attr_json ~= '' and cjson.decode(attr_json) or {}
 
 -- The waiting line (waitMs): reserves that wait for the same filter take the free items in the order they began
 -- to wait, first fit. `line` names the filter (the service gives one to no filter, a value prefix alone, or one
--- attribute alone: filters whose free items Redis counts exactly once a try of them has failed, as every such try
--- removes the stale entries it meets) and is "" for a reserve that does not wait: like a fair semaphore's tryAcquire,
+-- attribute alone: filters whose free items Redis counts exactly once a try of them has failed at its pick, as a
+-- pick that fails removes every stale entry it meets) and is "" for a reserve that does not wait: like a fair semaphore's tryAcquire,
 -- that takes what is free. <base>wq:<line> orders the members "<count> <rid>" by a number drawn when each joined
 -- (<base>wn:<line>); <base>wl:<line> gives each the time its place lapses unless a try keeps it (a waiter tries at
 -- least every 375 ms; one whose instance died or stalled is passed over from `place_ms` after its last try, and one
