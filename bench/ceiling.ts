@@ -65,6 +65,9 @@ if (mode === 'ceiling') {
       '',
       '0',
       defaults.HOLD_GRACE_MS,
+      // No waiting line (it waits for nothing), as respool's reserve without waitMs.
+      '',
+      0,
     );
     if (r[0] !== 'ok') return reply.status(409).send({ error: { code: 'POOL_EXHAUSTED' } });
     return reply.status(201).send({ id: r[1], items: JSON.parse(r[7]), expiresAt: new Date(Number(r[6])).toISOString() });

@@ -128,7 +128,7 @@ async function pairCost(pool: string): Promise<number> {
     Array.from({ length: IN_FLIGHT }, async () => {
       while (started++ < PAIRS) {
         const rid = `${pool}.${randomUUID()}`;
-        const held = await call.rp_reserve(keys.free, keys.base, rid, 'bench', 1, 1000, 0, 'r', 60_000, '', '', 0, '', '', '0', grace);
+        const held = await call.rp_reserve(keys.free, keys.base, rid, 'bench', 1, 1000, 0, 'r', 60_000, '', '', 0, '', '', '0', grace, '', 0);
         if (held[0] !== 'ok') throw new Error(`reserve on ${pool}: ${held.join(' ')}`);
         const released = await call.rp_release(keys.free, keys.base, rid, 60_000, '');
         if (released[0] !== 'released') throw new Error(`release on ${pool}: ${released.join(' ')}`);

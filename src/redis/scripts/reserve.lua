@@ -16,7 +16,7 @@ local count, ttl, max_holds = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARG
 local kind, open_record_ms = ARGV[7], tonumber(ARGV[8])
 local idem_key, body_hash, idem_ttl = ARGV[9], ARGV[10], tonumber(ARGV[11])
 local attr_json, prefix, affinity, grace = ARGV[12], ARGV[13], ARGV[14] == '1', tonumber(ARGV[15])
-local line, place_ms = ARGV[16], tonumber(ARGV[17])
+local line, place_ms = ARGV[16] or '', tonumber(ARGV[17] or '0')
 local now = now_ms()
 local MAX_REQUESTERS = 32
 
