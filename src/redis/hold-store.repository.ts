@@ -223,7 +223,7 @@ export class HoldStore implements OnApplicationShutdown {
   /** How long an open reservation's record outlives its hold (see OPEN_RECORD_MARGIN_MS). */
   private readonly openRecordMs: number;
   /** Waiters' leaves sent and not answered yet (leaveLine), and waits under way (whileOpen): Redis closes after them. */
-  private readonly leaving = new Set<Promise<unknown>>();
+  private readonly unfinished = new Set<Promise<unknown>>();
 
   constructor(
     @Inject(REDIS) private readonly redis: Redis,
@@ -438,8 +438,8 @@ export class HoldStore implements OnApplicationShutdown {
     )
       .then(() => undefined)
       .catch(() => undefined)
-      .finally(() => this.leaving.delete(leave));
-    this.leaving.add(leave);
+      .finally(() => this.unfinished.delete(leave));
+    this.unfinished.add(leave);
     await leave;
   }
 
@@ -653,14 +653,14 @@ export class HoldStore implements OnApplicationShutdown {
       () => undefined,
       () => undefined,
     );
-    this.leaving.add(tracked);
-    void tracked.finally(() => this.leaving.delete(tracked));
+    this.unfinished.add(tracked);
+    void tracked.finally(() => this.unfinished.delete(tracked));
     return wait;
   }
 
   /** Runs after the HTTP server has finished its in-flight requests, and after the waits and leaves they began. */
   async onApplicationShutdown(): Promise<void> {
-    while (this.leaving.size > 0) await Promise.all(this.leaving);
+    while (this.unfinished.size > 0) await Promise.all(this.unfinished);
     await this.redis.quit().catch(() => this.redis.disconnect());
   }
 

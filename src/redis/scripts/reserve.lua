@@ -60,18 +60,18 @@ local free = base .. 'free'
 local hold_ms = ttl + grace
 local want = attr_json ~= '' and cjson.decode(attr_json) or {}
 
--- The waiting line (waitMs): reserves that wait for the same filter take the free items in the order they began
--- to wait, first fit. `line` names the filter (the service gives one to no filter, a value prefix alone, or one
+-- The waiting line (waitMs): reserves that wait for the same filter take the free items in the order they began to
+-- wait, first fit. `line` names the filter (the service gives one to no filter, a value prefix alone, or one
 -- attribute alone: filters whose free items Redis counts exactly once a try of them has failed at its pick, as a
--- pick that fails removes every stale entry it meets) and is "" for a reserve that does not wait: like a fair semaphore's tryAcquire,
--- that takes what is free. <base>wq:<line> orders the members "<count> <rid>" by a number drawn when each joined
--- (<base>wn:<line>); <base>wl:<line> gives each the time its place lapses unless a try keeps it (a waiter tries at
--- least every 375 ms; one whose instance died or stalled is passed over from `place_ms` after its last try, and one
--- that comes back after that joins at the end). A try counts out of the free items, in order, each live waiter ahead
--- of it (at most AHEAD) that they could serve now; what is left must be `count` or more. A waiter that is served
--- leaves the line here; one that gives up leaves it by HoldStore.leaveLine, or is passed over once its place lapses.
--- ahead_live: how many live waiters are ahead of this one (of the AHEAD first), reported with "exhausted": the first
--- in line (0) tries again sooner than the others (ReservationsService).
+-- pick that fails removes every stale entry it meets) and is "" for a reserve that does not wait: like a fair
+-- semaphore's tryAcquire, that takes what is free. <base>wq:<line> orders the members "<count> <rid>" by a number
+-- drawn when each joined (<base>wn:<line>); <base>wl:<line> gives each the time its place lapses unless a try keeps
+-- it (a waiter tries at least every 375 ms; one whose instance died or stalled is passed over from `place_ms` after
+-- its last try, and one that comes back after that joins at the end). A try counts out of the free items, in order,
+-- each live waiter ahead of it (at most AHEAD) that they could serve now; what is left must be `count` or more. A
+-- waiter that is served leaves the line here; one that gives up leaves it by HoldStore.leaveLine, or is passed over
+-- once its place lapses. ahead_live: how many live waiters are ahead of this one (of the AHEAD first), reported with
+-- "exhausted": the first in line (0) tries again sooner than the others (ReservationsService).
 local queue, places, member, ahead_live
 if line ~= '' then
   local AHEAD = 64
