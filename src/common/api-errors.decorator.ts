@@ -11,7 +11,7 @@ export class ErrorDetailDto {
   message: string;
 
   @ApiProperty({
-    description: 'Structured context: the fields below where they apply, and whatever else an error names (ids, limits)',
+    description: 'Structured context: the fields below where they apply',
     type: 'object',
     properties: {
       fields: {
@@ -64,6 +64,57 @@ export class ErrorDetailDto {
         description:
           'POOL_EXHAUSTED of a reserve with several filter attributes: true when the search stopped at its limit of ' +
           'candidates before it had seen them all; matching free items may exist (absent: none match)',
+      },
+      dependency: {
+        type: 'string',
+        enum: ['postgres', 'redis', 'instance'],
+        description:
+          'DEPENDENCY_UNAVAILABLE: what is unavailable; "instance": this instance is shutting down (send the call again, ' + 'to another)',
+      },
+      report: {
+        type: 'object',
+        additionalProperties: true,
+        description: 'DEPENDENCY_UNAVAILABLE of GET /health/ready: the check of each dependency',
+      },
+      id: {
+        type: 'string',
+        description: 'RESERVATION_NOT_FOUND, HOLD_EXPIRED and RESERVATION_CLOSED: the reservation or lease',
+      },
+      reservationId: { type: 'string', description: 'RESERVATION_CLOSED of a confirm: the reservation, released' },
+      resourceId: {
+        type: 'string',
+        description: 'NOT_IN_RESERVATION, NOT_ALLOCATED and RESOURCE_NOT_FOUND: the resource the error is about',
+      },
+      resourceIds: {
+        type: 'array',
+        items: { type: 'string' },
+        description: 'HOLD_LOST: the items taken by someone else; DEPENDENCY_UNAVAILABLE of a confirm given up: the items it chose',
+      },
+      reason: {
+        type: 'string',
+        enum: ['held_by_another', 'version_changed'],
+        description:
+          "HOLD_LOST: another reservation or lease holds the item, or the item's version in Postgres is no longer the one " +
+          'the hold was taken at',
+      },
+      confirmed: {
+        type: 'array',
+        items: { type: 'string' },
+        description: 'RESERVATION_CLOSED of a confirm: the selection the reservation was confirmed with',
+      },
+      owner: { type: 'string', description: 'NOT_ALLOCATED: the owner the release named' },
+      pool: { type: 'string', description: 'POOL_EXHAUSTED, POOL_EXISTS, POOL_NOT_FOUND and RESOURCE_NOT_FOUND: the pool' },
+      count: { type: 'integer', description: 'POOL_EXHAUSTED: the items the reserve asked for' },
+      held: { type: 'integer', description: 'OWNER_QUOTA_EXCEEDED: the items the owner (or reviewer) holds now' },
+      maxHoldsPerOwner: { type: 'integer', description: "OWNER_QUOTA_EXCEEDED: the pool's limit" },
+      idempotencyKey: { type: 'string', description: 'IDEMPOTENCY_KEY_REUSED: the key' },
+      waitingReserves: {
+        type: 'integer',
+        description: "RATE_LIMITED of a reserve with waitMs: the instance's limit of waiting reserves (MAX_WAITING_RESERVES)",
+      },
+      limitPerSecond: {
+        type: 'integer',
+        description: "RATE_LIMITED by the instance's request limit: the requests a second it allows (RATE_LIMIT_PER_SECOND)",
       },
       waitersAhead: {
         type: 'integer',
