@@ -50,6 +50,14 @@ describe('reserves that wait take their turn', () => {
     return ids;
   };
   const release = async (id: string) => expect((await api.del(`/v1/reservations/${id}`)).status).toBe(200);
+  /** A reserve of `count` for "gone" that waits up to 10 s, sent with `signal`: the error's name once it is aborted. */
+  const waitingCaller = (on: TestInstance, pool: string, count: number, signal: AbortSignal) =>
+    fetch(`${on.url}/v1/pools/${pool}/reservations`, {
+      method: 'POST',
+      headers: { 'content-type': 'application/json' },
+      body: JSON.stringify({ owner: 'gone', count, waitMs: 10_000 }),
+      signal,
+    }).catch((err: Error) => err.name);
   /** The members of the pool's line of unfiltered waiters. */
   const line = (pool: string) => redis.zrange(`${poolBase(world.prefix, pool)}wq:-`, 0, -1);
 
@@ -303,12 +311,7 @@ describe('reserves that wait take their turn', () => {
     expect(await line('leave')).toEqual([]);
     // Hangs up.
     const abort = new AbortController();
-    const gone = fetch(`${api.url}/v1/pools/leave/reservations`, {
-      method: 'POST',
-      headers: { 'content-type': 'application/json' },
-      body: JSON.stringify({ owner: 'gone', count: 2, waitMs: 10_000 }),
-      signal: abort.signal,
-    }).catch((err: Error) => err.name);
+    const gone = waitingCaller(api, 'leave', 2, abort.signal);
     await sleep(200);
     expect((await line('leave')).length).toBe(1);
     abort.abort();
@@ -336,12 +339,7 @@ describe('reserves that wait take their turn', () => {
     });
     try {
       const abort = new AbortController();
-      const gone = fetch(`${closing.url}/v1/pools/closing/reservations`, {
-        method: 'POST',
-        headers: { 'content-type': 'application/json' },
-        body: JSON.stringify({ owner: 'gone', count: 1, waitMs: 10_000 }),
-        signal: abort.signal,
-      }).catch((err: Error) => err.name);
+      const gone = waitingCaller(closing, 'closing', 1, abort.signal);
       await sleep(200);
       expect((await line('closing')).length).toBe(1);
       slow = true;
