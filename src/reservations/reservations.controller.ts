@@ -57,7 +57,7 @@ export class ReservationsController {
   @ApiOkResponse({ type: ReservationDto, description: 'The reservation' })
   @ApiErrors(ErrorCode.VALIDATION_FAILED, ErrorCode.RESERVATION_NOT_FOUND)
   async get(@Param() params: ReservationParams, @ActingFor() actingFor: string | undefined): Promise<ReservationDto> {
-    if (actingFor !== undefined) await this.reservations.mustOwn(params.id, 'r', actingFor);
+    await this.reservations.mustOwn(params.id, 'r', actingFor);
     return this.reservations.get(params.id);
   }
 
@@ -72,7 +72,7 @@ export class ReservationsController {
     @Body() dto: ExtendDto,
     @ActingFor() actingFor: string | undefined,
   ): Promise<ReservationDto> {
-    if (actingFor !== undefined) await this.reservations.mustOwn(params.id, 'r', actingFor);
+    await this.reservations.mustOwn(params.id, 'r', actingFor);
     return this.reservations.extend(params.id, dto.ttlMs);
   }
 
@@ -94,7 +94,7 @@ export class ReservationsController {
     @Body() dto: ConfirmDto,
     @ActingFor() actingFor: string | undefined,
   ): Promise<ConfirmResultDto> {
-    if (actingFor !== undefined) await this.reservations.mustOwn(params.id, 'r', actingFor);
+    await this.reservations.mustOwn(params.id, 'r', actingFor);
     return this.reservations.confirm(params.id, dto.resourceIds);
   }
 
@@ -109,7 +109,7 @@ export class ReservationsController {
     @Body(NoBodyPipe) _body: unknown,
     @ActingFor() actingFor: string | undefined,
   ): Promise<ReservationDto> {
-    if (actingFor !== undefined) await this.reservations.mustOwn(params.id, 'r', actingFor);
+    await this.reservations.mustOwn(params.id, 'r', actingFor);
     return this.reservations.release(params.id);
   }
 }

@@ -257,9 +257,11 @@ export class ReservationsService implements OnModuleDestroy {
   /**
    * For a key bound to an owner (`actingFor`): 403 FORBIDDEN unless the reservation (`kind` 'r') or the lease ('l') is
    * that owner's; 404 for one of the other kind (owners and reviewers share one space of names). Read before the call
-   * acts: a reservation's owner and kind never change. An unknown one is left to the call (404).
+   * acts: a reservation's owner and kind never change. An unknown one is left to the call (404). No bound key
+   * (`actingFor` undefined): nothing to check.
    */
-  async mustOwn(id: string, kind: 'r' | 'l', actingFor: string): Promise<void> {
+  async mustOwn(id: string, kind: 'r' | 'l', actingFor: string | undefined): Promise<void> {
+    if (actingFor === undefined) return;
     const pool = await poolOf(this.catalog, id);
     const stored = await this.holds.read(pool.name, id);
     const committed = stored ? null : await this.committer.landedCommit(id);

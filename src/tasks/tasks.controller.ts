@@ -48,7 +48,7 @@ export class TasksController {
     @Body() dto: HeartbeatDto,
     @ActingFor() actingFor: string | undefined,
   ): Promise<HeartbeatResultDto> {
-    if (actingFor !== undefined) await this.reservations.mustOwn(params.leaseId, 'l', actingFor);
+    await this.reservations.mustOwn(params.leaseId, 'l', actingFor);
     return this.tasks.heartbeat(params.leaseId, dto.leaseMs);
   }
 
@@ -64,7 +64,7 @@ export class TasksController {
     @Body(NoBodyPipe) _body: unknown,
     @ActingFor() actingFor: string | undefined,
   ): Promise<TaskStateDto> {
-    if (actingFor !== undefined) await this.reservations.mustOwn(params.leaseId, 'l', actingFor);
+    await this.reservations.mustOwn(params.leaseId, 'l', actingFor);
     return this.tasks.complete(params.leaseId);
   }
 
@@ -80,7 +80,7 @@ export class TasksController {
     @Body(NoBodyPipe) _body: unknown,
     @ActingFor() actingFor: string | undefined,
   ): Promise<TaskStateDto> {
-    if (actingFor !== undefined) await this.reservations.mustOwn(params.leaseId, 'l', actingFor);
+    await this.reservations.mustOwn(params.leaseId, 'l', actingFor);
     return this.tasks.abandon(params.leaseId);
   }
 }
