@@ -18,6 +18,7 @@ import { PoolsController } from './pools/pools.controller.js';
 import { PoolsService } from './pools/pools.service.js';
 import { HoldStore } from './redis/hold-store.repository.js';
 import { REDIS, createRedis } from './redis/redis.client.js';
+import { WakeUps } from './redis/wake-ups.js';
 import { CommitService } from './reservations/commit.service.js';
 import { ReservationsController } from './reservations/reservations.controller.js';
 import { ReservationsService } from './reservations/reservations.service.js';
@@ -39,6 +40,7 @@ class InfrastructureModule {
       GenerationRepository,
       MetricsService,
       PoolCatalog,
+      WakeUps,
     ];
     return {
       module: InfrastructureModule,

@@ -55,7 +55,15 @@ export class MetricsService {
 
   readonly waitingFirstInLine = new Gauge({
     name: 'respool_waiting_reserves_first_in_line',
-    help: 'Waiting reserves on this instance that are first in their waiting line and try again at most every 75 ms (at most 64)',
+    help:
+      'Waiting reserves on this instance that are first in their waiting line and, not woken when items come free (the ' +
+      'subscription down), try again at most every 75 ms (at most 64)',
+    registers: [this.registry],
+  });
+
+  readonly waitersWoken = new Counter({
+    name: 'respool_waiting_reserves_woken_total',
+    help: 'Waiting reserves on this instance woken to try again at once because items came free in their pool',
     registers: [this.registry],
   });
 

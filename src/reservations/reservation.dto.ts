@@ -71,8 +71,10 @@ export class CreateReservationDto {
 
   @ApiPropertyOptional({
     description:
-      'How long to wait for free items, ms (0-30000). While fewer than `count` match, the reserve tries again every 25-375 ms (the first in line at most every 75 ms, for up to 64 such waiters an instance) ' +
-      'until it holds them or waitMs has passed (then 409 POOL_EXHAUSTED). Reserves that wait with the same filter (none, ' +
+      'How long to wait for free items, ms (0-30000). While fewer than `count` match, the reserve tries again when ' +
+      'it is woken by items matching its filter coming free in the pool, and otherwise every 25-375 ms (while wake-ups are down, the first in ' +
+      'line at most every 75 ms, for up to 64 such waiters an instance), until it holds them or waitMs has passed ' +
+      '(then 409 POOL_EXHAUSTED). Reserves that wait with the same filter (none, ' +
       'one attribute alone, or a valuePrefix alone) are served in the order they began to wait, on any instance, first ' +
       'fit: a later waiter gets only the items that the live waiters among the first 64 in line cannot use now. A reserve without waitMs, one with ' +
       'another filter, and one whose filter has several conditions (which has no turn) take whatever is free. A filter ' +

@@ -7,7 +7,8 @@ import { bodyHash } from '../common/stable-json.js';
 import { PoolEntity } from '../database/entities.js';
 import { MetricsService } from '../metrics/metrics.service.js';
 import { PoolCatalog } from '../pools/pool-catalog.service.js';
-import { HoldStore, ReserveRequest, ReserveResult, StoredReservation } from '../redis/hold-store.repository.js';
+import { HoldStore, ReserveRequest, ReserveResult, StoredReservation, waitingLine } from '../redis/hold-store.repository.js';
+import { FreedItems, WakeUps } from '../redis/wake-ups.js';
 import { makeReservationId, poolOfReservationId } from '../redis/keys.js';
 import { CommitService, isLeaseCommit, notFound } from './commit.service.js';
 import { ConfirmResultDto, CreateReservationDto, ReservationDto } from './reservation.dto.js';
@@ -20,16 +21,47 @@ export const IDEMPOTENCY_KEY = /^[\x21-\x7e]{1,255}$/;
  * A reserve with `waitMs` tries again after WAIT_FIRST_PAUSE_MS, the pause doubling up to WAIT_MAX_PAUSE_MS, each
  * wait drawn at random between the pause and 1.5 times it (so that waiters spread out): an item freed anywhere is
  * found within 1.5 × WAIT_MAX_PAUSE_MS, and a waiter costs Redis at most one reserve script per pause. Waiters take
- * their turn: the items a filter's waiters could use go to the one that began to wait first (reserve.lua, `line`),
- * and that one, told it has no live waiter ahead, pauses at most WAIT_HEAD_PAUSE_MS (to 1.5 times it) whatever its
- * backoff, so that it tries again within 75 ms of their return. Only one waiter a line is first, but a client may
- * make every waiter the first of a line of its own (a filter each): at most WAIT_MAX_HEADS waiters an instance
- * pause so briefly, the others keep their backoff.
+ * their turn: the items a filter's waiters could use go to the one that began to wait first (reserve.lua, `line`).
+ *
+ * Waiters are woken when items come free in their pool (WakeUps): for each filter, if `n` of the items that came free
+ * match it, the first `n` waiters with that filter on this instance, in the order they began to wait, try again at
+ * once (at most WAKE_MAX_WAITERS a message in all; for a message that gives only how many came free, every filter
+ * counts them all). A waiter woken during a try tries again as soon as that try ends. A waiter is not woken by a
+ * waiter ahead of it leaving the line, nor by one that stopped trying (its place lapses), nor while this instance is
+ * not subscribed: then it finds out on its next try. While wake-ups are not live (the connection down, or the
+ * subscription not confirmed yet), the first waiter in line, told it has no live waiter ahead, pauses at most
+ * WAIT_HEAD_PAUSE_MS (to 1.5 times it) whatever its backoff, so that it tries again within 75 ms of their return; at
+ * most WAIT_MAX_HEADS waiters an instance pause so briefly (a client may make every waiter the first of a line of its
+ * own, a filter each), the others keep their backoff. When the connection is lost, those first in line are woken to
+ * start doing so.
  */
 export const WAIT_FIRST_PAUSE_MS = 25;
 export const WAIT_MAX_PAUSE_MS = 250;
 export const WAIT_HEAD_PAUSE_MS = 50;
 export const WAIT_MAX_HEADS = 64;
+export const WAKE_MAX_WAITERS = 64;
+
+/** A reserve waiting for free items on this instance. */
+interface Waiter {
+  /** Its filter, and a name shared by the waiters with the same filter. */
+  filter: Pick<ReserveRequest, 'valuePrefix' | 'attributes'>;
+  group: string;
+  /** Its last try found it first in its line. */
+  first: boolean;
+  /** Ends the pause under way, if any. */
+  wake?: () => void;
+  /** Woken while it was not pausing (a try under way): it tries again without a pause. */
+  woken: boolean;
+}
+
+/** Whether an item that came free matches a reserve's filter (as reserve.lua's `matches`). */
+export function matchesFilter(item: { v: string; a?: Record<string, string> }, filter: Waiter['filter']): boolean {
+  if (filter.valuePrefix && !item.v.startsWith(filter.valuePrefix)) return false;
+  for (const [k, v] of Object.entries(filter.attributes ?? {})) {
+    if (item.a?.[k] !== v) return false;
+  }
+  return true;
+}
 
 export interface ReserveAnswer {
   /** false when an Idempotency-Key replayed an earlier reservation (200 instead of 201). */
@@ -66,6 +98,8 @@ export class ReservationsService implements OnModuleDestroy {
   private waiting = 0;
   /** Waiters first in their line, pausing briefly now (WAIT_MAX_HEADS). */
   private heads = 0;
+  /** The waiters of each pool, in the order they began to wait, and how to stop listening for its freed items. */
+  private readonly waiters = new Map<string, { waiting: Set<Waiter>; stop: () => void }>();
   private stopping = false;
 
   constructor(
@@ -74,6 +108,7 @@ export class ReservationsService implements OnModuleDestroy {
     private readonly committer: CommitService,
     private readonly metrics: MetricsService,
     private readonly config: AppConfig,
+    private readonly wakeUps: WakeUps,
   ) {}
 
   /**
@@ -180,19 +215,26 @@ export class ReservationsService implements OnModuleDestroy {
       const deadline = Date.now() + waitMs;
       this.waiting++;
       this.metrics.waitingReserves.inc();
+      const filter = { valuePrefix: waiter.valuePrefix, attributes: waiter.attributes };
+      const line = waitingLine(waiter);
+      const me: Waiter = { filter, group: line === '' ? `~${JSON.stringify(filter)}` : line, first: false, woken: false };
+      const stopWaiting = this.startWaiting(pool, me);
       let head = false;
       try {
         for (let pause = WAIT_FIRST_PAUSE_MS; ; pause = Math.min(2 * pause, WAIT_MAX_PAUSE_MS)) {
+          if (this.stopping) throw DomainError.shuttingDown();
           const left = deadline - Date.now();
           if (left <= 0 || gone?.aborted) return result;
-          const first = result.status === 'exhausted' && result.inLine === 0;
+          me.first = result.status === 'exhausted' && result.inLine === 0;
+          const first = me.first && !this.wakeUps.live(pool);
           if (first !== head && (!first || this.heads < WAIT_MAX_HEADS)) {
             head = first;
             this.heads += head ? 1 : -1;
             this.metrics.waitingFirstInLine.set(this.heads);
           }
           const next = head ? Math.min(pause, WAIT_HEAD_PAUSE_MS) : pause;
-          if (!(await this.pause(Math.min(left, next + Math.random() * (next / 2)), gone))) {
+          if (me.woken) me.woken = false;
+          else if (!(await this.pause(Math.min(left, next + Math.random() * (next / 2)), gone, me))) {
             throw DomainError.shuttingDown();
           }
           if (gone?.aborted) return result;
@@ -200,6 +242,7 @@ export class ReservationsService implements OnModuleDestroy {
           if (result.status !== 'exhausted' || result.limited) return result;
         }
       } finally {
+        stopWaiting();
         this.waiting--;
         if (head) this.metrics.waitingFirstInLine.set(--this.heads);
         this.metrics.waitingReserves.dec();
@@ -219,6 +262,44 @@ export class ReservationsService implements OnModuleDestroy {
     }
   }
 
+  /** Counts `me` among the pool's waiters, to be woken when its items come free, until the function returned is called. */
+  private startWaiting(pool: string, me: Waiter): () => void {
+    let entry = this.waiters.get(pool);
+    if (!entry) {
+      const waiting = new Set<Waiter>();
+      const listener = {
+        freed: (freed: FreedItems) => this.wake(waiting, freed),
+        // Not woken from now on: those first in line try again now, and as often as WAIT_HEAD_PAUSE_MS from then on.
+        lost: () => waiting.forEach((w) => w.first && w.wake?.()),
+      };
+      entry = { waiting, stop: this.wakeUps.listen(pool, listener) };
+      this.waiters.set(pool, entry);
+    }
+    entry.waiting.add(me);
+    return () => {
+      const now = this.waiters.get(pool);
+      if (!now?.waiting.delete(me) || now.waiting.size > 0) return;
+      this.waiters.delete(pool);
+      now.stop();
+    };
+  }
+
+  /** Items came free in the pool of these waiters: for each filter, as many of its first waiters as match try again. */
+  private wake(waiting: Set<Waiter>, freed: FreedItems): void {
+    const usable = new Map<string, number>();
+    let woken = 0;
+    for (const w of waiting) {
+      let left = usable.get(w.group);
+      if (left === undefined) left = freed.items ? freed.items.filter((item) => matchesFilter(item, w.filter)).length : freed.count;
+      if (left === 0) continue;
+      usable.set(w.group, left - 1);
+      if (w.wake) w.wake();
+      else w.woken = true;
+      if (++woken >= WAKE_MAX_WAITERS) break;
+    }
+    if (woken > 0) this.metrics.waitersWoken.inc(woken);
+  }
+
   /**
    * One try of a reserve that may wait. Should its caller have hung up while the script ran and held the items,
    * they are given back (as the undo of a reserve that got no answer: a reservation that a keyed request was
@@ -231,16 +312,21 @@ export class ReservationsService implements OnModuleDestroy {
     return { status: 'exhausted', limited: false };
   }
 
-  /** Resolves true after `ms`, or at once when the caller hangs up; false when the instance shuts down. */
-  private pause(ms: number, gone?: AbortSignal): Promise<boolean> {
+  /**
+   * Resolves true after `ms`, or at once when the caller hangs up or items come free (`me` woken); false when the
+   * instance shuts down.
+   */
+  private pause(ms: number, gone: AbortSignal | undefined, me: Waiter): Promise<boolean> {
     if (this.stopping) return Promise.resolve(false);
     return new Promise((resolve) => {
       const done = (goOn: boolean): void => {
         clearTimeout(timer);
         gone?.removeEventListener('abort', hungUp);
         this.pauses.delete(done);
+        me.wake = undefined;
         resolve(goOn);
       };
+      me.wake = () => done(true);
       const hungUp = (): void => done(true);
       const timer = setTimeout(hungUp, ms);
       gone?.addEventListener('abort', hungUp);

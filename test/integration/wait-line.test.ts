@@ -3,6 +3,7 @@ import { randomUUID } from 'node:crypto';
 import { afterAll, beforeAll, describe, expect, it, vi } from 'vitest';
 import { HoldStore, ReserveRequest, WAIT_PLACE_MS, waitingLine } from '../../src/redis/hold-store.repository.js';
 import { REDIS } from '../../src/redis/redis.client.js';
+import { WakeUps } from '../../src/redis/wake-ups.js';
 import { makeReservationId, poolBase } from '../../src/redis/keys.js';
 import { HttpAnswer, TestInstance, TestWorld, numbers, seedPool, sleep } from '../support/harness.js';
 
@@ -111,7 +112,7 @@ describe('reserves that wait take their turn', () => {
     expect(served).toEqual(['w0', 'w1', 'w2', 'w3', 'w4']);
   });
 
-  it('the first in line tries again at most every 75 ms, whatever its backoff; those behind it back off to 250-375 ms', async () => {
+  it('not woken (wake-ups down), the first in line tries again at most every 75 ms; those behind it back off to 250-375 ms', async () => {
     await seedPool(api, 'quick', numbers(1));
     await holdAll('quick', 1);
     const real = holds.reserve.bind(holds);
@@ -120,6 +121,7 @@ describe('reserves that wait take their turn', () => {
       if (pool === 'quick') tries.push({ owner: req.owner, at: Date.now() });
       return real(pool, req);
     });
+    const down = vi.spyOn(api.app.get(WakeUps), 'live').mockReturnValue(false);
     try {
       const started = Date.now();
       const head = reserve('quick', { owner: 'head', count: 1, waitMs: 2_000 });
@@ -134,20 +136,51 @@ describe('reserves that wait take their turn', () => {
       expect(during('behind')).toBeLessThanOrEqual(5);
     } finally {
       spy.mockRestore();
+      down.mockRestore();
     }
   });
 
-  it('at most 64 waiters an instance try that often, however many are first in a line of their own', async () => {
+  it('not woken (wake-ups down), at most 64 waiters an instance try that often, however many are first in a line of their own', async () => {
     await seedPool(api, 'heads', numbers(1));
     await holdAll('heads', 1);
-    // 70 waiters, each the first and only one of its line (a value prefix of its own).
-    const waiters = Array.from({ length: 70 }, (_, i) =>
-      reserve('heads', { owner: `w${i}`, count: 1, waitMs: 1_500, filter: { valuePrefix: `1380000${String(i).padStart(3, '0')}` } }),
-    );
-    await sleep(700);
-    expect((await api.get('/metrics')).body).toMatch(/^respool_waiting_reserves_first_in_line 64$/m);
-    expect((await Promise.all(waiters)).every((r) => r.status === 409)).toBe(true);
-    expect((await api.get('/metrics')).body).toMatch(/^respool_waiting_reserves_first_in_line 0$/m);
+    const down = vi.spyOn(api.app.get(WakeUps), 'live').mockReturnValue(false);
+    try {
+      // 70 waiters, each the first and only one of its line (a value prefix of its own).
+      const waiters = Array.from({ length: 70 }, (_, i) =>
+        reserve('heads', { owner: `w${i}`, count: 1, waitMs: 1_500, filter: { valuePrefix: `1380000${String(i).padStart(3, '0')}` } }),
+      );
+      await sleep(700);
+      expect((await api.get('/metrics')).body).toMatch(/^respool_waiting_reserves_first_in_line 64$/m);
+      expect((await Promise.all(waiters)).every((r) => r.status === 409)).toBe(true);
+      expect((await api.get('/metrics')).body).toMatch(/^respool_waiting_reserves_first_in_line 0$/m);
+    } finally {
+      down.mockRestore();
+    }
+  });
+
+  it('woken when items come free, the first in line backs off like the others', async () => {
+    await seedPool(api, 'backs', numbers(1));
+    await holdAll('backs', 1);
+    const real = holds.reserve.bind(holds);
+    const tries: number[] = [];
+    const spy = vi.spyOn(holds, 'reserve').mockImplementation(async (pool, req) => {
+      if (pool === 'backs') tries.push(Date.now());
+      return real(pool, req);
+    });
+    try {
+      const started = Date.now();
+      const head = reserve('backs', { owner: 'head', count: 1, waitMs: 1_600 });
+      await sleep(300);
+      expect(api.app.get(WakeUps).live('backs')).toBe(true);
+      expect((await api.get('/metrics')).body).toMatch(/^respool_waiting_reserves_first_in_line 0$/m);
+      expect((await head).status).toBe(409);
+      // Backoff 25, 50, 100, 200, 250, 250... (to 1.5 times each): about 5 tries after the first 600 ms, not 13 or more.
+      expect(tries.filter((at) => at >= started + 600).length).toBeLessThanOrEqual(7);
+      // Its last waiter gone, the instance no longer listens to the pool.
+      expect(api.app.get(WakeUps).live('backs')).toBe(false);
+    } finally {
+      spy.mockRestore();
+    }
   });
 
   it('a waiter that needs more than the index lists stops before its pick; the next that fits the count drains stale entries', async () => {

@@ -22,6 +22,8 @@
 --   <base>wq:<line>      ZSET "<count> <rid>" -> its turn: the reserves waiting (waitMs) in one filter's line, in order
 --   <base>wn:<line>      STRING, the last turn given in the line (INCR)
 --   <base>wl:<line>      ZSET, the same members -> ms at which each one's place lapses unless it tries again
+--   <base>ww             STRING, present while a reserve waits (waitMs) in the pool: it tried within its place's life
+-- Channel <base>freed: the items that came free in the pool, published while <base>ww exists (wake_waiters)
 -- Reservation fields: o owner, k kind ("r" reservation, "l" lease), s state (held, confirming, confirmed,
 -- released, expired), i items (JSON array of item JSON), c created ms, e expires ms, x outcome JSON,
 -- sel confirmed selection (sorted ids, comma separated), cnt "1" while its items count in oh/og,
@@ -112,6 +114,29 @@ local function index_all(base, items)
   return redis.call('ZADD', base .. 'free', unpack(scored))
 end
 
+-- Tells the instances whose reserves wait in this pool (<base>ww, set by reserve.lua) which items came free, so that
+-- the waiters they may serve try again at once (WakeUps): a JSON array of their values and attributes, or for more
+-- than 32 items only how many. Nothing is sent while nobody waits. With pcall: a PUBLISH refused (a Redis user without
+-- the channel) must not stop the script halfway, nor fail it.
+local function wake_waiters(base, items)
+  if #items == 0 or redis.call('EXISTS', base .. 'ww') == 0 then return end
+  local message
+  if #items > 32 then
+    message = tostring(#items)
+  else
+    local listed = {}
+    for i, item in ipairs(items) do listed[i] = { v = item.v, a = item.a } end
+    message = cjson.encode(listed)
+  end
+  redis.pcall('PUBLISH', base .. 'freed', message)
+end
+
+-- Appends the items of `more` to `list`; returns `list`.
+local function append_items(list, more)
+  for _, item in ipairs(more) do list[#list + 1] = item end
+  return list
+end
+
 -- Puts an item into every free index; returns 1 if it was not free before.
 local function index(base, item)
   return index_all(base, { item })
@@ -186,6 +211,7 @@ end
 -- meanwhile (finish drops the entry). An item held by this reservation until now was not (nothing allocates
 -- an item another reservation holds), so its entry is not looked up; should one be missing all the same (a
 -- hand edit, a finish that came after its own hold ran out), reserve drops the index entry it meets without one.
+-- Returns how many were not free before, and the items put back.
 local function free_items(base, rid, items, keep_own)
   local back = {}
   for _, item in ipairs(items) do
@@ -200,7 +226,7 @@ local function free_items(base, rid, items, keep_own)
       back[#back + 1] = item
     end
   end
-  return index_all(base, back)
+  return index_all(base, back), back
 end
 
 -- A reservation's fields by name, read in one call (a field it lacks is false), or nil if there is none.

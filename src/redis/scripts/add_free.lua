@@ -42,4 +42,6 @@ for i = 5, #ARGV do
     end
   end
 end
-return index_all(base, free)
+local added = index_all(base, free)
+wake_waiters(base, free)
+return added

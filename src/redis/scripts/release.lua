@@ -52,8 +52,9 @@ if r.s == 'held' and r.ep and r.ep ~= decided and redis.call('HGET', rkey, 'ad')
 if r.s ~= 'released' then
   if r.s == 'held' then
     local items = decode_items(r.i)
-    free_items(base, rid, items)
+    local _, back = free_items(base, rid, items)
     redis.call('HSET', rkey, unpack(uncount_into(base, r, items, { 's', 'released' })))
+    wake_waiters(base, back)
   else
     redis.call('HSET', rkey, 's', 'released')
   end

@@ -6,7 +6,7 @@
 --       12 attribute filter as JSON object ("" = none), 13 value prefix ("" = none), 14 group affinity ("1"|"0"),
 --       15 grace ms (the holds outlive expiresAt by this much; the sweeper looks at the reservation then),
 --       16 the waiting line this reserve, which waits (waitMs), takes its turn in ("" = none; see below), 17 how long
---       a waiter keeps its place without a try, ms
+--       a waiter keeps its place without a try, ms, 18 "1" if this reserve waits (waitMs), in a line or not
 -- Returns: {"ok"|"replay", rid, state, owner, kind, createdMs, expiresMs, itemsJson, outcomeJson, nowMs}
 --          or {"exhausted"} | {"exhausted", "limited"} (a filtered walk stopped at MAX_LOOKUPS) | {"quota", heldNow}
 --          | {"reused"}; for a waiter, {"exhausted", "line", a} or {"exhausted", "waiters", n, a} (enough would be free
@@ -16,8 +16,11 @@ local count, ttl, max_holds = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARG
 local kind, open_record_ms = ARGV[7], tonumber(ARGV[8])
 local idem_key, body_hash, idem_ttl = ARGV[9], ARGV[10], tonumber(ARGV[11])
 local attr_json, prefix, affinity, grace = ARGV[12], ARGV[13], ARGV[14] == '1', tonumber(ARGV[15])
-local line, place_ms = ARGV[16] or '', tonumber(ARGV[17] or '0')
+local line, place_ms, waits = ARGV[16] or '', tonumber(ARGV[17] or '0'), ARGV[18] == '1'
 local now = now_ms()
+-- While a reserve waits in the pool, the scripts that free items in it say so (wake_waiters): a waiter tries at
+-- least every 375 ms (ReservationsService), within its place's life.
+if waits then redis.call('SET', base .. 'ww', '1', 'PX', place_ms) end
 local MAX_REQUESTERS = 32
 
 -- A record under this id already: the reserve was undone before it arrived (release.lua), as its caller got no

@@ -12,6 +12,7 @@ local now = now_ms()
 local exp = base .. 'exp'
 local due = redis.call('ZRANGEBYSCORE', exp, '-inf', now, 'LIMIT', 0, batch)
 local expired, freed, work, reply = 0, 0, 0, { 0, 0, #due == batch and 1 or 0 }
+local came_free = {}
 
 -- The index writes that freeing these items takes.
 local function writes(items)
@@ -40,7 +41,9 @@ for _, rid in ipairs(due) do
     -- epoch is decided (finish or abort), so an item whose hold ran out was in no undecided commit. They are free.
     local items = decode_items_safely(r.i)
     work = work + writes(items)
-    freed = freed + free_items(base, rid, items, true)
+    local n, back = free_items(base, rid, items, true)
+    freed = freed + n
+    append_items(came_free, back)
     -- Looked at again a recheck later, or when its commit window ends if that is sooner (pin.lua may have set an
     -- earlier time, when the holds of the items it did not select ran out).
     local window_end = tonumber(r.pw or 0) or 0
@@ -57,7 +60,9 @@ for _, rid in ipairs(due) do
     local fields = { 's', 'expired' }
     if counted then uncount_into(base, r, counted, fields) end
     work = work + writes(items)
-    freed = freed + free_items(base, rid, items)
+    local n, back = free_items(base, rid, items)
+    freed = freed + n
+    append_items(came_free, back)
     redis.call('HSET', rkey, unpack(fields))
     redis.call('PEXPIRE', rkey, retention)
     redis.call('ZREM', exp, rid)
@@ -67,4 +72,5 @@ for _, rid in ipairs(due) do
   end
 end
 reply[1], reply[2] = expired, freed
+wake_waiters(base, came_free)
 return reply

@@ -60,6 +60,7 @@ for _, item in ipairs(decode_items(f[5])) do
   end
 end
 index_all(base, back)
+wake_waiters(base, back)
 if not restore then
   if not ended then return 0 end
   if expires <= now then

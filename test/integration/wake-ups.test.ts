@@ -1,0 +1,320 @@
+import { Redis } from 'ioredis';
+import { randomUUID } from 'node:crypto';
+import { afterAll, beforeAll, describe, expect, it, vi } from 'vitest';
+import { HoldStore, WAIT_PLACE_MS } from '../../src/redis/hold-store.repository.js';
+import { REDIS } from '../../src/redis/redis.client.js';
+import { makeReservationId, poolBase } from '../../src/redis/keys.js';
+import { WakeUps, freedChannel, parseFreed } from '../../src/redis/wake-ups.js';
+import { SweeperService } from '../../src/sweeper/sweeper.service.js';
+import { REDIS_URL } from '../support/services.js';
+import { TestInstance, TestWorld, eventually, numbers, seedPool, sleep } from '../support/harness.js';
+
+/**
+ * Waiters are woken when items come free (WakeUps, _lib.lua wake_waiters): the scripts that free items publish how
+ * many while a reserve waits in the pool, and each instance wakes the first of each line of its waiters there.
+ */
+describe('waiters woken when items come free', () => {
+  const world = new TestWorld('wake-ups');
+  let api: TestInstance;
+  let other: TestInstance;
+  let listener: Redis;
+  const heard: { channel: string; message: string }[] = [];
+
+  beforeAll(async () => {
+    api = await world.start();
+    other = await world.start();
+    listener = new Redis(REDIS_URL, { lazyConnect: true });
+    await listener.connect();
+    listener.on('message', (channel: string, message: string) => heard.push({ channel, message }));
+  });
+  afterAll(async () => {
+    listener.disconnect();
+    await world.cleanup();
+  });
+
+  const reserve = (pool: string, body: Record<string, unknown>, on = api) => on.post(`/v1/pools/${pool}/reservations`, body);
+  const woken = async (on: TestInstance) =>
+    Number(/^respool_waiting_reserves_woken_total (\d+)$/m.exec((await on.get('/metrics')).body)?.[1]);
+  /** What was published on the pool's channel since `from` (an index into `heard`). */
+  const published = (pool: string, from: number) =>
+    heard
+      .slice(from)
+      .filter((h) => h.channel === freedChannel(world.prefix, pool))
+      .map((h) => h.message);
+  /** One try of a reserve that waits and finds too few items: what marks the pool as waited in. */
+  const waiterTries = (pool: string) =>
+    api.app.get(HoldStore).reserve(pool, {
+      reservationId: makeReservationId(pool, randomUUID()),
+      owner: 'waiter',
+      count: 1_000,
+      ttlMs: 60_000,
+      maxHoldsPerOwner: 0,
+      kind: 'r',
+      groupAffinity: false,
+      waits: true,
+    });
+
+  /** The values of the items a reservation answer lists, sorted. */
+  const valuesOf = (reservation: { items: { value: string }[] }) => reservation.items.map((i) => i.value).sort();
+  /** The values a message lists, sorted; or the count it gives. */
+  const freedValues = (message: string) => {
+    const freed = parseFreed(message);
+    return freed?.items ? freed.items.map((i) => i.v).sort() : freed?.count;
+  };
+
+  it('the scripts that free items publish which while a reserve waits in the pool, and nothing while none does', async () => {
+    await seedPool(api, 'pub', [...numbers(5), { value: '13700000000', attributes: { color: 'red' } }]);
+    // This test sweeps by hand, after marking the pool as waited in: no instance's own timer may sweep first.
+    for (const instance of [api, other]) await instance.app.get(SweeperService).onModuleDestroy();
+    const ww = `${poolBase(world.prefix, 'pub')}ww`;
+    await listener.subscribe(freedChannel(world.prefix, 'pub'));
+    const redis = api.app.get<Redis>(REDIS);
+
+    // Nobody waits: a release publishes nothing, and a reserve that does not wait marks nothing.
+    let from = heard.length;
+    const quiet = await reserve('pub', { owner: 'o', count: 3 });
+    expect((await reserve('pub', { owner: 'o', count: 100 })).status).toBe(409);
+    expect(await redis.exists(ww)).toBe(0);
+    expect((await api.del(`/v1/reservations/${quiet.body.id}`)).status).toBe(200);
+
+    // A waiter's try marks the pool for as long as its place lasts.
+    expect((await waiterTries('pub')).status).toBe('exhausted');
+    const pttl = await redis.pttl(ww);
+    expect(pttl).toBeGreaterThan(0);
+    expect(pttl).toBeLessThanOrEqual(WAIT_PLACE_MS);
+    await sleep(100);
+    expect(published('pub', from)).toEqual([]);
+
+    // Releases: the items came free, with their attributes.
+    from = heard.length;
+    const released = await reserve('pub', { owner: 'o', count: 1, filter: { valuePrefix: '137' } }).then(async (one) => [
+      one.body,
+      (await reserve('pub', { owner: 'o', count: 2 })).body,
+    ]);
+    await waiterTries('pub');
+    for (const r of released) expect((await api.del(`/v1/reservations/${r.id}`)).status).toBe(200);
+    await eventually(async () => published('pub', from).length === 2, 2_000, 10);
+    const [withAttributes, plain] = published('pub', from);
+    expect(JSON.parse(withAttributes)).toEqual([{ v: '13700000000', a: { color: 'red' } }]);
+    // Items without attributes are listed by value alone (in the reservation's order).
+    expect(freedValues(plain)).toEqual(valuesOf(released[1]));
+    expect(JSON.parse(plain).every((i: object) => Object.keys(i).join() === 'v')).toBe(true);
+
+    // Confirm of 1 of 3: the 2 others came free (finish.lua).
+    from = heard.length;
+    const confirmed = (await reserve('pub', { owner: 'o', count: 3 })).body;
+    await waiterTries('pub');
+    const chosen = confirmed.items[0];
+    expect((await api.post(`/v1/reservations/${confirmed.id}/confirm`, { resourceIds: [chosen.resourceId] })).status).toBe(200);
+    await eventually(async () => published('pub', from).length > 0, 2_000, 10);
+    expect(published('pub', from).map(freedValues)).toEqual([valuesOf(confirmed).filter((v) => v !== chosen.value)]);
+
+    // Expiry: the sweep frees the 2 held items.
+    from = heard.length;
+    const expiring = (await reserve('pub', { owner: 'o', count: 2, ttlMs: 1000 })).body;
+    await sleep(1000 + api.config.HOLD_GRACE_MS + 50);
+    await waiterTries('pub');
+    await api.app.get(SweeperService).tick();
+    await eventually(async () => published('pub', from).length > 0, 2_000, 10);
+    expect(published('pub', from).map(freedValues)).toEqual([valuesOf(expiring)]);
+
+    // Imports: the new items came free (add_free.lua); more than 32 at once, only how many.
+    from = heard.length;
+    await waiterTries('pub');
+    expect((await api.post('/v1/pools/pub/resources', { items: [{ value: '13900000001' }, { value: '13900000002' }] })).status).toBe(201);
+    expect((await api.post('/v1/pools/pub/resources', { items: numbers(40, '1360000').map((value) => ({ value })) })).status).toBe(201);
+    await eventually(async () => published('pub', from).length === 2, 2_000, 10);
+    expect(published('pub', from).map(freedValues)).toEqual([['13900000001', '13900000002'], 40]);
+  });
+
+  it('a waiter on another instance is woken when an item comes free: served at once, not at its next try', async () => {
+    await seedPool(api, 'wake', numbers(1));
+    const holder = await reserve('wake', { owner: 'holder', count: 1 });
+    const holds = other.app.get(HoldStore);
+    const real = holds.reserve.bind(holds);
+    const tries: { start: number; end: number }[] = [];
+    const spy = vi.spyOn(holds, 'reserve').mockImplementation(async (pool, req) => {
+      const start = Date.now();
+      const result = await real(pool, req);
+      if (pool === 'wake') tries.push({ start, end: Date.now() });
+      return result;
+    });
+    try {
+      const before = await woken(other);
+      const waiter = reserve('wake', { owner: 'waiter', count: 1, waitMs: 10_000 }, other);
+      // Its backoff has reached 250-375 ms after about 800 ms: release the item just after one of its tries.
+      await sleep(900);
+      const seen = tries.length;
+      await eventually(async () => tries.length > seen, 2_000, 1);
+      expect((await api.del(`/v1/reservations/${holder.body.id}`)).status).toBe(200);
+      const got = await waiter;
+      expect(got.status).toBe(201);
+      // The try that served it began well before its pause of at least 250 ms would have ended.
+      const [previous, serving] = tries.slice(-2);
+      expect(serving.start - previous.end).toBeLessThan(200);
+      expect(await woken(other)).toBe(before + 1);
+    } finally {
+      spy.mockRestore();
+    }
+  });
+
+  it('items coming free wake as many waiters of each line on an instance as came free, not every waiter', async () => {
+    await seedPool(api, 'herd', numbers(1));
+    const holder = await reserve('herd', { owner: 'holder', count: 1 });
+    const before = await woken(api);
+    // Four waiters in the unfiltered line, two in the line of a value prefix: one item matches both lines.
+    const waiters = [
+      ...Array.from({ length: 4 }, (_, i) => reserve('herd', { owner: `plain${i}`, count: 1, waitMs: 1_500 })),
+      ...Array.from({ length: 2 }, (_, i) =>
+        reserve('herd', { owner: `prefixed${i}`, count: 1, waitMs: 1_500, filter: { valuePrefix: '138' } }),
+      ),
+    ];
+    await sleep(300);
+    expect((await api.del(`/v1/reservations/${holder.body.id}`)).status).toBe(200);
+    const answers = await Promise.all(waiters);
+    // One came free: the first waiter of each line was woken, 2 in all, not 6, and one of those two got it.
+    expect(answers.filter((a) => a.status === 201)).toHaveLength(1);
+    expect([answers[0].status, answers[4].status].sort()).toEqual([201, 409]);
+    expect((await woken(api)) - before).toBe(2);
+  });
+
+  it('only the waiters whose filter an item that came free matches are woken', async () => {
+    await seedPool(api, 'match', [
+      { value: '13800000000', attributes: { color: 'red' } },
+      { value: '13900000000', attributes: { color: 'blue' } },
+    ]);
+    const held = (await reserve('match', { owner: 'holder', count: 2 })).body;
+    const before = await woken(api);
+    const wait = (owner: string, filter?: Record<string, unknown>) => reserve('match', { owner, count: 1, waitMs: 1_500, filter });
+    const waiters = {
+      prefix139: wait('prefix139', { valuePrefix: '139' }),
+      blue: wait('blue', { attributes: { color: 'blue' } }),
+      red: wait('red', { attributes: { color: 'red' } }),
+      any: wait('any'),
+      both: wait('both', { valuePrefix: '138', attributes: { color: 'blue' } }),
+    };
+    await sleep(300);
+    // Only the red 138… item comes free (a release of one item of two is a confirm of the other).
+    const blue = held.items.find((i: { value: string }) => i.value !== '13800000000');
+    expect((await api.post(`/v1/reservations/${held.id}/confirm`, { resourceIds: [blue.resourceId] })).status).toBe(200);
+    const statuses = Object.fromEntries(await Promise.all(Object.entries(waiters).map(async ([k, p]) => [k, (await p).status])));
+    expect([statuses.red, statuses.any].sort()).toEqual([201, 409]);
+    expect(statuses).toMatchObject({ prefix139: 409, blue: 409, both: 409 });
+    // The red and the unfiltered waiters; not the three whose filter it does not match.
+    expect((await woken(api)) - before).toBe(2);
+  });
+
+  it('one message wakes at most 64 waiters, however many filters it matches', async () => {
+    const attributes = Object.fromEntries(Array.from({ length: 10 }, (_, k) => [`a${k}`, '1']));
+    await seedPool(api, 'many', [{ value: '13800000000', attributes }]);
+    const held = (await reserve('many', { owner: 'holder', count: 1 })).body;
+    const before = await woken(api);
+    // 70 waiters, each with a filter of its own (a prefix and an attribute) that the one item matches.
+    const prefixes = ['1', '13', '138', '1380', '13800', '138000', '1380000'];
+    const waiters = prefixes.flatMap((valuePrefix) =>
+      Array.from({ length: 10 }, (_, k) =>
+        reserve('many', {
+          owner: `w${valuePrefix}-${k}`,
+          count: 1,
+          waitMs: 1_500,
+          filter: { valuePrefix, attributes: { [`a${k}`]: '1' } },
+        }),
+      ),
+    );
+    await sleep(500);
+    expect((await api.del(`/v1/reservations/${held.id}`)).status).toBe(200);
+    const answers = await Promise.all(waiters);
+    expect(answers.filter((a) => a.status === 201)).toHaveLength(1);
+    expect((await woken(api)) - before).toBe(64);
+  });
+
+  it('a waiter woken during a try tries again as soon as that try ends', async () => {
+    await seedPool(api, 'midtry', numbers(1));
+    const holder = (await reserve('midtry', { owner: 'holder', count: 1 })).body;
+    const holds = api.app.get(HoldStore);
+    const real = holds.reserve.bind(holds);
+    const tries: { start: number; end: number }[] = [];
+    let gate: Promise<void> | null = null;
+    let freeItem: (() => Promise<void>) | null = null;
+    const spy = vi.spyOn(holds, 'reserve').mockImplementation(async (pool, req) => {
+      const start = Date.now();
+      const result = await real(pool, req);
+      // Once its backoff is long: the item comes free after this try's script ran, before the try ends.
+      if (pool === 'midtry' && freeItem) {
+        const free = freeItem;
+        freeItem = null;
+        gate = free();
+        await gate;
+      }
+      if (pool === 'midtry') tries.push({ start, end: Date.now() });
+      return result;
+    });
+    try {
+      const before = await woken(api);
+      const waiter = reserve('midtry', { owner: 'waiter', count: 1, waitMs: 10_000 });
+      await sleep(900);
+      freeItem = async () => {
+        expect((await other.del(`/v1/reservations/${holder.id}`)).status).toBe(200);
+        // The message has reached this instance, and found the waiter in its try.
+        await eventually(async () => (await woken(api)) > before, 2_000, 5);
+      };
+      expect((await waiter).status).toBe(201);
+      expect(gate).not.toBeNull();
+      const [during, serving] = tries.slice(-2);
+      expect(serving.start - during.end).toBeLessThan(100);
+    } finally {
+      spy.mockRestore();
+    }
+  });
+
+  it('after its connection drops, an instance subscribes again and wakes its waiters as before', async () => {
+    await seedPool(api, 'again', numbers(1));
+    const holder = await reserve('again', { owner: 'holder', count: 1 });
+    const wakeUps = api.app.get(WakeUps);
+    const waiter = reserve('again', { owner: 'waiter', count: 1, waitMs: 10_000 });
+    await eventually(async () => wakeUps.live('again'), 2_000, 10);
+    const before = await woken(api);
+    (wakeUps as unknown as { connection: Redis }).connection.stream.destroy();
+    await eventually(async () => !wakeUps.live('again'), 1_000, 1);
+    await eventually(async () => wakeUps.live('again'), 5_000, 10);
+    expect((await other.del(`/v1/reservations/${holder.body.id}`)).status).toBe(200);
+    expect((await waiter).status).toBe(201);
+    expect(await woken(api)).toBe(before + 1);
+  });
+});
+
+describe('waiters when Redis refuses the wake-up channel (an ACL user without it)', () => {
+  const user = `rptest-nochannels-${process.pid}`;
+  const url = new URL(REDIS_URL);
+  url.username = user;
+  url.password = 'secret';
+  const world = new TestWorld('wake-ups-acl', { REDIS_URL: url.toString() });
+  let admin: Redis;
+  let api: TestInstance;
+
+  beforeAll(async () => {
+    admin = new Redis(REDIS_URL);
+    // Every key and command, no channel: PUBLISH and SUBSCRIBE are refused (NOPERM).
+    await admin.call('ACL', 'SETUSER', user, 'reset', 'on', '>secret', '~*', '+@all', 'resetchannels');
+    api = await world.start();
+  });
+  afterAll(async () => {
+    await world.cleanup();
+    await admin.call('ACL', 'DELUSER', user);
+    admin.disconnect();
+  });
+
+  it('a release with a reserve waiting still completes, and the waiter gets the item by trying again', async () => {
+    await seedPool(api, 'acl', numbers(1));
+    const holder = (await api.post('/v1/pools/acl/reservations', { owner: 'holder', count: 1 })).body;
+    const waiter = api.post('/v1/pools/acl/reservations', { owner: 'waiter', count: 1, waitMs: 5_000 });
+    await sleep(300);
+    expect(api.app.get(WakeUps).live('acl')).toBe(false);
+    const released = await api.del(`/v1/reservations/${holder.id}`);
+    expect(released.status).toBe(200);
+    expect(released.body.state).toBe('released');
+    const got = await waiter;
+    expect(got.status).toBe(201);
+    expect(got.body.items.map((i: { value: string }) => i.value)).toEqual(numbers(1));
+  });
+});
