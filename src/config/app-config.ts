@@ -78,6 +78,13 @@ export class AppConfig {
   @IsIn(['true', 'false'])
   LOG_REQUESTS = 'true';
 
+  /**
+   * Wake reserves that wait (waitMs) when items come free (WakeUps: a second Redis connection, subscribed while
+   * reserves wait). `false`: waiters only try again on their own, the first in line every 50-75 ms.
+   */
+  @IsIn(['true', 'false'])
+  WAIT_WAKE_UPS = 'true';
+
   @Transform(toInt)
   @IsInt()
   @Min(1)

@@ -71,6 +71,7 @@ export class WakeUps implements OnApplicationShutdown {
 
   /** Tells `listener` each time items come free in `pool`, until the function returned is called. */
   listen(pool: string, listener: FreedListener): () => void {
+    if (this.config.WAIT_WAKE_UPS === 'false') return () => undefined;
     const channel = freedChannel(this.config.REDIS_KEY_PREFIX, pool);
     let set = this.listeners.get(channel);
     if (!set) {

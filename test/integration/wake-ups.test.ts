@@ -267,6 +267,20 @@ describe('waiters woken when items come free', () => {
     }
   });
 
+  it('WAIT_WAKE_UPS=false: waiters are never woken, and the first in line tries again every 50-75 ms', async () => {
+    const off = await world.start({ WAIT_WAKE_UPS: 'false' });
+    await seedPool(api, 'off', numbers(1));
+    const holder = (await reserve('off', { owner: 'holder', count: 1 })).body;
+    const waiter = reserve('off', { owner: 'waiter', count: 1, waitMs: 10_000 }, off);
+    await sleep(300);
+    expect(off.app.get(WakeUps).live('off')).toBe(false);
+    expect((await off.get('/metrics')).body).toMatch(/^respool_waiting_reserves_first_in_line 1$/m);
+    expect((await api.del(`/v1/reservations/${holder.id}`)).status).toBe(200);
+    expect((await waiter).status).toBe(201);
+    expect(await woken(off)).toBe(0);
+    expect((off.app.get(WakeUps) as unknown as { connection?: Redis }).connection).toBeUndefined();
+  });
+
   it('after its connection drops, an instance subscribes again and wakes its waiters as before', async () => {
     await seedPool(api, 'again', numbers(1));
     const holder = await reserve('again', { owner: 'holder', count: 1 });
