@@ -298,7 +298,7 @@ export class HoldStore implements OnApplicationShutdown {
         this.config.HOLD_GRACE_MS,
         req.waits ? waitingLine(req) : '',
         WAIT_PLACE_MS,
-        req.waits ? '1' : '',
+        req.waits && this.config.WAIT_WAKE_UPS === 'true' ? '1' : '',
       );
     } catch (err) {
       // A reserve that got no answer (timed out, or its connection lost) may have run in Redis, or may still,

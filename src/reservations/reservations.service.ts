@@ -40,12 +40,15 @@ export const WAIT_MAX_PAUSE_MS = 250;
 export const WAIT_HEAD_PAUSE_MS = 50;
 export const WAIT_MAX_HEADS = 64;
 export const WAKE_MAX_WAITERS = 64;
+export const WAKE_MIN_GAP_MS = 20;
 
 /** A reserve waiting for free items on this instance. */
 interface Waiter {
   /** Its filter, and a name shared by the waiters with the same filter. */
   filter: Pick<ReserveRequest, 'valuePrefix' | 'attributes'>;
   group: string;
+  /** How many items it waits for. */
+  count: number;
   /** Its last try found it first in its line. */
   first: boolean;
   /** Ends the pause under way, if any. */
@@ -217,10 +220,18 @@ export class ReservationsService implements OnModuleDestroy {
       this.metrics.waitingReserves.inc();
       const filter = { valuePrefix: waiter.valuePrefix, attributes: waiter.attributes };
       const line = waitingLine(waiter);
-      const me: Waiter = { filter, group: line === '' ? `~${JSON.stringify(filter)}` : line, first: false, woken: false };
-      const stopWaiting = this.startWaiting(pool, me);
+      const me: Waiter = {
+        filter,
+        group: line === '' ? `~${JSON.stringify(filter)}` : line,
+        count: waiter.count,
+        first: false,
+        woken: false,
+      };
+      let stopWaiting = (): void => undefined;
       let head = false;
+      let triedAt = Date.now();
       try {
+        stopWaiting = this.startWaiting(pool, me);
         for (let pause = WAIT_FIRST_PAUSE_MS; ; pause = Math.min(2 * pause, WAIT_MAX_PAUSE_MS)) {
           if (this.stopping) throw DomainError.shuttingDown();
           const left = deadline - Date.now();
@@ -237,7 +248,11 @@ export class ReservationsService implements OnModuleDestroy {
           else if (!(await this.pause(Math.min(left, next + Math.random() * (next / 2)), gone, me))) {
             throw DomainError.shuttingDown();
           }
+          // Woken at every free (items taken by others, or kept for waiters ahead), it still tries at most so often.
+          const early = triedAt + WAKE_MIN_GAP_MS - Date.now();
+          if (early > 0) await new Promise((resolve) => setTimeout(resolve, early));
           if (gone?.aborted) return result;
+          triedAt = Date.now();
           result = await this.tryFor(pool, waiter, gone);
           if (result.status !== 'exhausted' || result.limited) return result;
         }
@@ -284,15 +299,19 @@ export class ReservationsService implements OnModuleDestroy {
     };
   }
 
-  /** Items came free in the pool of these waiters: for each filter, as many of its first waiters as match try again. */
+  /**
+   * Items came free in the pool of these waiters. For each filter, its waiters in the order they began to wait, first
+   * fit as reserve.lua serves them: each that the matching items left can serve is woken and counted out of them; the
+   * first is woken whatever its count (items free before may make up the rest), counted out only if they serve it.
+   */
   private wake(waiting: Set<Waiter>, freed: FreedItems): void {
     const usable = new Map<string, number>();
     let woken = 0;
     for (const w of waiting) {
-      let left = usable.get(w.group);
-      if (left === undefined) left = freed.items ? freed.items.filter((item) => matchesFilter(item, w.filter)).length : freed.count;
-      if (left === 0) continue;
-      usable.set(w.group, left - 1);
+      const seen = usable.get(w.group);
+      const left = seen ?? (freed.items ? freed.items.filter((item) => matchesFilter(item, w.filter)).length : freed.count);
+      if (left === 0 || (seen !== undefined && w.count > left)) continue;
+      usable.set(w.group, w.count <= left ? left - w.count : left);
       if (w.wake) w.wake();
       else w.woken = true;
       if (++woken >= WAKE_MAX_WAITERS) break;

@@ -99,34 +99,47 @@ local function unindex(base, item, m)
   if has_group(item) then redis.call('SREM', base .. 'fg:' .. item.g, m) end
 end
 
--- Puts items into every free index, all of them in one ZADD; returns how many of them were not free before.
-local function index_all(base, items)
-  if #items == 0 then return 0 end
-  local scored = {}
-  for _, item in ipairs(items) do
+-- Whether a reserve waits in the pool now (<base>ww, set by reserve.lua): the script then tells (wake_waiters).
+local function waited_in(base)
+  return redis.call('EXISTS', base .. 'ww') == 1
+end
+
+-- Puts items into every free index, all of them in one ZADD; returns how many of them were not free before, and, if
+-- `waited` (waited_in), which (for wake_waiters; else an empty list).
+local function index_all(base, items, waited)
+  if #items == 0 then return 0, {} end
+  local scored, members = {}, {}
+  for i, item in ipairs(items) do
     local m = member_of(item)
+    members[i] = m
     scored[#scored + 1], scored[#scored + 2] = 0, m
     if type(item.a) == 'table' then
       for k, v in pairs(item.a) do redis.call('ZADD', attr_key(base, k, v), 0, m) end
     end
     if has_group(item) then redis.call('SADD', base .. 'fg:' .. item.g, m) end
   end
-  return redis.call('ZADD', base .. 'free', unpack(scored))
+  local fresh = {}
+  if waited then
+    local scores = redis.call('ZMSCORE', base .. 'free', unpack(members))
+    for i, item in ipairs(items) do
+      if not scores[i] then fresh[#fresh + 1] = item end
+    end
+  end
+  return redis.call('ZADD', base .. 'free', unpack(scored)), fresh
 end
 
--- Tells the instances whose reserves wait in this pool (<base>ww, set by reserve.lua) which items came free, so that
--- the waiters they may serve try again at once (WakeUps): a JSON array of their values and attributes, or for more
--- than 32 items only how many. Nothing is sent while nobody waits. With pcall: a PUBLISH refused (a Redis user without
--- the channel) must not stop the script halfway, nor fail it.
+-- Tells the instances whose reserves wait in this pool which items came free (those index_all found not free before,
+-- while waited_in), so that the waiters they may serve try again at once (WakeUps): a JSON array of their values and
+-- attributes, or for more than 32 items (or items cjson cannot write) only how many. Nothing is sent for none. With
+-- pcall: a refused PUBLISH (a Redis user without the channel) must not stop the script halfway, nor fail it.
 local function wake_waiters(base, items)
-  if #items == 0 or redis.call('EXISTS', base .. 'ww') == 0 then return end
-  local message
-  if #items > 32 then
-    message = tostring(#items)
-  else
+  if #items == 0 then return end
+  local message = tostring(#items)
+  if #items <= 32 then
     local listed = {}
     for i, item in ipairs(items) do listed[i] = { v = item.v, a = item.a } end
-    message = cjson.encode(listed)
+    local ok, json = pcall(cjson.encode, listed)
+    if ok then message = json end
   end
   redis.pcall('PUBLISH', base .. 'freed', message)
 end
@@ -139,7 +152,7 @@ end
 
 -- Puts an item into every free index; returns 1 if it was not free before.
 local function index(base, item)
-  return index_all(base, { item })
+  return (index_all(base, { item }))
 end
 
 local function decode_items(json)
@@ -211,8 +224,8 @@ end
 -- meanwhile (finish drops the entry). An item held by this reservation until now was not (nothing allocates
 -- an item another reservation holds), so its entry is not looked up; should one be missing all the same (a
 -- hand edit, a finish that came after its own hold ran out), reserve drops the index entry it meets without one.
--- Returns how many were not free before, and the items put back.
-local function free_items(base, rid, items, keep_own)
+-- Returns how many were not free before, and, if `waited` (waited_in), which (see index_all).
+local function free_items(base, rid, items, keep_own, waited)
   local back = {}
   for _, item in ipairs(items) do
     local hkey = base .. 'h:' .. item.id
@@ -226,7 +239,7 @@ local function free_items(base, rid, items, keep_own)
       back[#back + 1] = item
     end
   end
-  return index_all(base, back), back
+  return index_all(base, back, waited)
 end
 
 -- A reservation's fields by name, read in one call (a field it lacks is false), or nil if there is none.

@@ -42,6 +42,6 @@ for i = 5, #ARGV do
     end
   end
 end
-local added = index_all(base, free)
-wake_waiters(base, free)
+local added, fresh = index_all(base, free, waited_in(base))
+wake_waiters(base, fresh)
 return added

@@ -12,7 +12,7 @@ local r = read_reservation(rkey)
 local items = r and decode_items(r.i) or {}
 local listed = {}
 for _, item in ipairs(items) do listed[item.id] = true end
-local chosen, free_again, freed, came_free = {}, {}, 0, {}
+local chosen, free_again, freed, came_free, waited = {}, {}, 0, {}, waited_in(base)
 for i = 7, #ARGV, 2 do
   local m, version = ARGV[i], tonumber(ARGV[i + 1])
   local id = id_of(m)
@@ -21,9 +21,9 @@ for i = 7, #ARGV, 2 do
   if cached and cached.n >= version then
     -- A cache entry at this version or newer: the item was released since (a late finish, by the sweeper
     -- after the owner had already released it). It is free at that version; our pinned hold must go.
-    local n, back = free_items(base, rid, { cached })
+    local n, fresh = free_items(base, rid, { cached }, false, waited)
     freed = freed + n
-    append_items(came_free, back)
+    append_items(came_free, fresh)
     free_again[id] = true
   else
     local hkey = base .. 'h:' .. id
@@ -52,9 +52,9 @@ if r then
   local fields = { 's', 'confirmed', 'x', outcome, 'sel', selection }
   if r.s ~= 'confirmed' then
     uncount_into(base, r, items, fields)
-    local n, back = free_items(base, rid, rest)
+    local n, fresh = free_items(base, rid, rest, false, waited)
     freed = freed + n
-    append_items(came_free, back)
+    append_items(came_free, fresh)
   end
   redis.call('HSET', rkey, unpack(fields))
   redis.call('PEXPIRE', rkey, retention)

@@ -50,16 +50,18 @@ if r.s == 'confirming' then return { 'busy' } end
 -- Postgres is known to have ended it already ('ad', see abort and unpin).
 if r.s == 'held' and r.ep and r.ep ~= decided and redis.call('HGET', rkey, 'ad') ~= r.ep then return { 'undecided', r.ep } end
 if r.s ~= 'released' then
+  local came_free = {}
   if r.s == 'held' then
     local items = decode_items(r.i)
-    local _, back = free_items(base, rid, items)
+    local _, fresh = free_items(base, rid, items, false, waited_in(base))
     redis.call('HSET', rkey, unpack(uncount_into(base, r, items, { 's', 'released' })))
-    wake_waiters(base, back)
+    came_free = fresh
   else
     redis.call('HSET', rkey, 's', 'released')
   end
   r.s = 'released'
   redis.call('PEXPIRE', rkey, retention)
   redis.call('ZREM', base .. 'exp', rid)
+  wake_waiters(base, came_free)
 end
 return reply_of('released', rid, r, now)

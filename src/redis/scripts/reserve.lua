@@ -6,7 +6,8 @@
 --       12 attribute filter as JSON object ("" = none), 13 value prefix ("" = none), 14 group affinity ("1"|"0"),
 --       15 grace ms (the holds outlive expiresAt by this much; the sweeper looks at the reservation then),
 --       16 the waiting line this reserve, which waits (waitMs), takes its turn in ("" = none; see below), 17 how long
---       a waiter keeps its place without a try, ms, 18 "1" if this reserve waits (waitMs), in a line or not
+--       a waiter keeps its place without a try, ms, 18 "1" if this reserve waits (waitMs), in a line or not, and is
+--       to be woken when items come free (WAIT_WAKE_UPS)
 -- Returns: {"ok"|"replay", rid, state, owner, kind, createdMs, expiresMs, itemsJson, outcomeJson, nowMs}
 --          or {"exhausted"} | {"exhausted", "limited"} (a filtered walk stopped at MAX_LOOKUPS) | {"quota", heldNow}
 --          | {"reused"}; for a waiter, {"exhausted", "line", a} or {"exhausted", "waiters", n, a} (enough would be free
@@ -18,9 +19,14 @@ local idem_key, body_hash, idem_ttl = ARGV[9], ARGV[10], tonumber(ARGV[11])
 local attr_json, prefix, affinity, grace = ARGV[12], ARGV[13], ARGV[14] == '1', tonumber(ARGV[15])
 local line, place_ms, waits = ARGV[16] or '', tonumber(ARGV[17] or '0'), ARGV[18] == '1'
 local now = now_ms()
--- While a reserve waits in the pool, the scripts that free items in it say so (wake_waiters): a waiter tries at
--- least every 375 ms (ReservationsService), within its place's life.
-if waits then redis.call('SET', base .. 'ww', '1', 'PX', place_ms) end
+
+-- The answer of a try that found too few: a reserve that waits (and is to be woken) marks the pool as waited in for as
+-- long as its place lasts, and the scripts that free items in it then say which (wake_waiters). A waiter tries at
+-- least every 375 ms (ReservationsService), within that time.
+local function too_few(reply)
+  if waits then redis.call('SET', base .. 'ww', '1', 'PX', place_ms) end
+  return reply
+end
 local MAX_REQUESTERS = 32
 
 -- A record under this id already: the reserve was undone before it arrived (release.lua), as its caller got no
@@ -57,7 +63,7 @@ end
 -- No generation key: Redis was wiped and this pool is not rebuilt yet (the rebuild writes the key
 -- before it adds any item). Nothing may be held until then.
 local generation = redis.call('GET', base .. 'gen')
-if not generation then return { 'exhausted' } end
+if not generation then return too_few({ 'exhausted' }) end
 
 local free = base .. 'free'
 local hold_ms = ttl + grace
@@ -118,7 +124,7 @@ if line ~= '' then
   else
     left = redis.call('ZCARD', free)
   end
-  if left < count then return { 'exhausted', 'line', ahead_live } end
+  if left < count then return too_few({ 'exhausted', 'line', ahead_live }) end
   local kept = 0
   for _, n in ipairs(live) do
     if n <= left then
@@ -126,7 +132,7 @@ if line ~= '' then
       kept = kept + 1
     end
   end
-  if left < count then return { 'exhausted', 'waiters', tostring(kept), ahead_live } end
+  if left < count then return too_few({ 'exhausted', 'waiters', tostring(kept), ahead_live }) end
 end
 
 local chosen, seen = {}, {}
@@ -357,7 +363,7 @@ if #chosen < count then
   for _, item in ipairs(items) do redis.call('DEL', base .. 'h:' .. item.id) end
   index_all(base, items)
   if limited then return { 'exhausted', 'limited' } end
-  return ahead_live and { 'exhausted', 'line', ahead_live } or { 'exhausted' }
+  return too_few(ahead_live and { 'exhausted', 'line', ahead_live } or { 'exhausted' })
 end
 
 local rkey = base .. 'r:' .. rid

@@ -12,7 +12,7 @@ local now = now_ms()
 local exp = base .. 'exp'
 local due = redis.call('ZRANGEBYSCORE', exp, '-inf', now, 'LIMIT', 0, batch)
 local expired, freed, work, reply = 0, 0, 0, { 0, 0, #due == batch and 1 or 0 }
-local came_free = {}
+local came_free, waited = {}, waited_in(base)
 
 -- The index writes that freeing these items takes.
 local function writes(items)
@@ -41,9 +41,9 @@ for _, rid in ipairs(due) do
     -- epoch is decided (finish or abort), so an item whose hold ran out was in no undecided commit. They are free.
     local items = decode_items_safely(r.i)
     work = work + writes(items)
-    local n, back = free_items(base, rid, items, true)
+    local n, fresh = free_items(base, rid, items, true, waited)
     freed = freed + n
-    append_items(came_free, back)
+    append_items(came_free, fresh)
     -- Looked at again a recheck later, or when its commit window ends if that is sooner (pin.lua may have set an
     -- earlier time, when the holds of the items it did not select ran out).
     local window_end = tonumber(r.pw or 0) or 0
@@ -60,9 +60,9 @@ for _, rid in ipairs(due) do
     local fields = { 's', 'expired' }
     if counted then uncount_into(base, r, counted, fields) end
     work = work + writes(items)
-    local n, back = free_items(base, rid, items)
+    local n, fresh = free_items(base, rid, items, false, waited)
     freed = freed + n
-    append_items(came_free, back)
+    append_items(came_free, fresh)
     redis.call('HSET', rkey, unpack(fields))
     redis.call('PEXPIRE', rkey, retention)
     redis.call('ZREM', exp, rid)

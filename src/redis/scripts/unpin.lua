@@ -59,8 +59,8 @@ for _, item in ipairs(decode_items(f[5])) do
     end
   end
 end
-index_all(base, back)
-wake_waiters(base, back)
+local _, fresh = index_all(base, back, waited_in(base))
+wake_waiters(base, fresh)
 if not restore then
   if not ended then return 0 end
   if expires <= now then
