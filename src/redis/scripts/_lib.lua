@@ -105,22 +105,24 @@ local function waited_in(base)
 end
 
 -- Puts items into every free index, all of them in one ZADD; returns how many of them were not free before, and, if
--- `waited` (waited_in), which (for wake_waiters; else an empty list).
+-- `waited` (waited_in), which (for wake_waiters; else nil).
 local function index_all(base, items, waited)
-  if #items == 0 then return 0, {} end
-  local scored, members = {}, {}
-  for i, item in ipairs(items) do
+  if #items == 0 then return 0, nil end
+  local scored = {}
+  for _, item in ipairs(items) do
     local m = member_of(item)
-    members[i] = m
     scored[#scored + 1], scored[#scored + 2] = 0, m
     if type(item.a) == 'table' then
       for k, v in pairs(item.a) do redis.call('ZADD', attr_key(base, k, v), 0, m) end
     end
     if has_group(item) then redis.call('SADD', base .. 'fg:' .. item.g, m) end
   end
-  local fresh = {}
+  local fresh = nil
   if waited then
+    local members = {}
+    for i = 1, #items do members[i] = scored[2 * i] end
     local scores = redis.call('ZMSCORE', base .. 'free', unpack(members))
+    fresh = {}
     for i, item in ipairs(items) do
       if not scores[i] then fresh[#fresh + 1] = item end
     end
@@ -133,7 +135,7 @@ end
 -- attributes, or for more than 32 items (or items cjson cannot write) only how many. Nothing is sent for none. With
 -- pcall: a refused PUBLISH (a Redis user without the channel) must not stop the script halfway, nor fail it.
 local function wake_waiters(base, items)
-  if #items == 0 then return end
+  if not items or #items == 0 then return end
   local message = tostring(#items)
   if #items <= 32 then
     local listed = {}
@@ -144,9 +146,11 @@ local function wake_waiters(base, items)
   redis.pcall('PUBLISH', base .. 'freed', message)
 end
 
--- Appends the items of `more` to `list`; returns `list`.
+-- Appends the items of `more` (nil: none) to `list`; returns `list`.
 local function append_items(list, more)
-  for _, item in ipairs(more) do list[#list + 1] = item end
+  if more then
+    for _, item in ipairs(more) do list[#list + 1] = item end
+  end
   return list
 end
 

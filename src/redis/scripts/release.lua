@@ -50,7 +50,7 @@ if r.s == 'confirming' then return { 'busy' } end
 -- Postgres is known to have ended it already ('ad', see abort and unpin).
 if r.s == 'held' and r.ep and r.ep ~= decided and redis.call('HGET', rkey, 'ad') ~= r.ep then return { 'undecided', r.ep } end
 if r.s ~= 'released' then
-  local came_free = {}
+  local came_free = nil
   if r.s == 'held' then
     local items = decode_items(r.i)
     local _, fresh = free_items(base, rid, items, false, waited_in(base))
