@@ -14,7 +14,7 @@ import { Redis } from 'ioredis';
 import { deleteKeys, freePort, serviceArgs } from '../test/support/services.js';
 import { poolKeys } from '../src/redis/keys.js';
 import { formatCpu } from './cpu.js';
-import { Call, CpuProbe, LoadResult, client, median, medianPercentiles, pooled, runLoad } from './load.js';
+import { Call, CpuProbe, LoadResult, client, median, medianPercentiles, pooled, runLoad, benchServiceEnv, waitHttp } from './load.js';
 import { WRK_THREADS, ensureWrk, requestsFile, runWrk } from './wrk.js';
 
 const QUICK = process.argv.includes('--quick');
@@ -41,18 +41,6 @@ const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));
 
 function startProcess(args: string[], env: Record<string, string> = {}): ChildProcess {
   return spawn(process.execPath, args, { env: { ...process.env, ...env }, stdio: ['ignore', 'ignore', 'inherit'] });
-}
-
-async function waitHttp(url: string): Promise<void> {
-  for (let i = 0; i < 300; i++) {
-    try {
-      await fetch(url, { signal: AbortSignal.timeout(1000) });
-      return;
-    } catch {
-      await sleep(100);
-    }
-  }
-  throw new Error(`${url} did not come up`);
 }
 
 /** CPU by process for a run against the server process `pid`: it, Postgres, Redis and the load generator. */
@@ -146,17 +134,7 @@ async function main(): Promise<void> {
   try {
     // respool itself.
     const port = await freePort();
-    const service = startProcess(serviceArgs(), {
-      PORT: String(port),
-      HOST: '127.0.0.1',
-      DATABASE_URL: DB_URL,
-      REDIS_URL,
-      REDIS_KEY_PREFIX: PREFIX,
-      LOG_LEVEL: 'warn',
-      LOG_REQUESTS: 'false',
-      RECONCILE_INTERVAL_MS: '0',
-      DB_POOL_SIZE: '16',
-    });
+    const service = startProcess(serviceArgs(), { ...benchServiceEnv(port, DB_URL, REDIS_URL, PREFIX), DB_POOL_SIZE: '16' });
     children.push(service);
     const url = `http://127.0.0.1:${port}`;
     await waitHttp(`${url}/health/live`);

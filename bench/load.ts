@@ -22,6 +22,37 @@ export interface CpuProbe {
   order: string[];
 }
 
+/**
+ * respool's environment in a bench (as `npm run start:prod` runs it): on this port, database and key prefix, logging
+ * warnings only and no request lines (the defaults, `info` and `true`, write one JSON line a request), and no periodic
+ * rebuild (it would add load at a moment of its own).
+ */
+export function benchServiceEnv(port: number, databaseUrl: string, redisUrl: string, prefix: string): Record<string, string> {
+  return {
+    PORT: String(port),
+    HOST: '127.0.0.1',
+    DATABASE_URL: databaseUrl,
+    REDIS_URL: redisUrl,
+    REDIS_KEY_PREFIX: prefix,
+    LOG_LEVEL: 'warn',
+    LOG_REQUESTS: 'false',
+    RECONCILE_INTERVAL_MS: '0',
+  };
+}
+
+/** Resolves once `url` answers (any status); fails after 30 s. */
+export async function waitHttp(url: string): Promise<void> {
+  for (let i = 0; i < 300; i++) {
+    try {
+      await fetch(url, { signal: AbortSignal.timeout(1000) });
+      return;
+    } catch {
+      await new Promise((r) => setTimeout(r, 100));
+    }
+  }
+  throw new Error(`${url} did not come up`);
+}
+
 export type Call = (method: string, path: string, body?: unknown) => Promise<{ status: number; body: any }>;
 
 function percentile(sorted: number[], p: number): number {

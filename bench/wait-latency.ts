@@ -21,7 +21,7 @@ import { ChildProcess, spawn } from 'node:child_process';
 import pg from 'pg';
 import { Redis } from 'ioredis';
 import { deleteKeys, freePort, serviceArgs } from '../test/support/services.js';
-import { client } from './load.js';
+import { benchServiceEnv, client, waitHttp } from './load.js';
 
 const QUICK = process.argv.includes('--quick');
 const ROUNDS = QUICK ? 1 : 3;
@@ -35,18 +35,6 @@ const PREFIX = `benchwait${Date.now()}:`;
 
 const say = (msg: string) => console.log(`[bench:wait ${new Date().toISOString().slice(11, 19)}] ${msg}`);
 const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));
-
-async function waitHttp(url: string): Promise<void> {
-  for (let i = 0; i < 300; i++) {
-    try {
-      await fetch(url, { signal: AbortSignal.timeout(1000) });
-      return;
-    } catch {
-      await sleep(100);
-    }
-  }
-  throw new Error(`${url} did not come up`);
-}
 
 const percentile = (sorted: number[], p: number) => sorted[Math.min(sorted.length - 1, Math.floor((p / 100) * sorted.length))];
 
@@ -84,18 +72,7 @@ async function main(): Promise<void> {
     ] as const) {
       const port = await freePort();
       const child = spawn(process.execPath, serviceArgs(), {
-        env: {
-          ...process.env,
-          PORT: String(port),
-          HOST: '127.0.0.1',
-          DATABASE_URL: DB_URL,
-          REDIS_URL,
-          REDIS_KEY_PREFIX: PREFIX,
-          LOG_LEVEL: 'warn',
-          LOG_REQUESTS: 'false',
-          RECONCILE_INTERVAL_MS: '0',
-          WAIT_WAKE_UPS: wakeUps,
-        },
+        env: { ...process.env, ...benchServiceEnv(port, DB_URL, REDIS_URL, PREFIX), WAIT_WAKE_UPS: wakeUps },
         stdio: ['ignore', 'ignore', 'inherit'],
       });
       children.push(child);
