@@ -8,7 +8,7 @@ import { WakeUps, freedChannel, parseFreed } from '../../src/redis/wake-ups.js';
 import { SweeperService } from '../../src/sweeper/sweeper.service.js';
 import { REDIS_URL } from '../support/services.js';
 import { GenerationRepository } from '../../src/database/generation.repository.js';
-import { HttpAnswer, TestInstance, TestWorld, eventually, numbers, seedPool, sleep } from '../support/harness.js';
+import { HttpAnswer, TestInstance, TestWorld, eventually, numbers, seedPool, sleep, stalledConfirm } from '../support/harness.js';
 
 /**
  * Waiters are woken when items come free (WakeUps, _lib.lua wake_waiters): the scripts that free items publish how
@@ -155,6 +155,55 @@ describe('waiters woken when items come free', () => {
     await eventually(async () => published('pub', from).length > 0, 2_000, 10);
     await sleep(100);
     expect(published('pub', from).map(freedValues)).toEqual([[cached[2].v]]);
+  });
+
+  it('a commit given up (abort) and an un-pin of what a pin took back publish the items they free', async () => {
+    // The sweepers are stopped (above): this test sweeps and settles by hand.
+    const redis = api.app.get<Redis>(REDIS);
+    const holds = api.app.get(HoldStore);
+    const sweeper = api.app.get(SweeperService);
+    for (const pool of ['given-up', 'taken-back']) {
+      await seedPool(api, pool, numbers(3, pool === 'given-up' ? '1350000' : '1340000'));
+      await listener.subscribe(freedChannel(world.prefix, pool));
+      await redis.set(`${poolBase(world.prefix, pool)}ww`, '1', 'PX', 60_000);
+    }
+
+    // A confirm pinned one item and never reached Postgres (its instance died): once its window and the hold have
+    // ended, the sweep frees the two items it did not choose, and the sweeper gives the commit up and frees the third.
+    let from = heard.length;
+    const stalled = (await reserve('given-up', { owner: 'o', count: 3, ttlMs: 1000 })).body;
+    const chosen = stalled.items[0];
+    await stalledConfirm(api, 'given-up', stalled.id, chosen.resourceId, 1000);
+    await sleep(1000 + api.config.HOLD_GRACE_MS + 100);
+    await eventually(
+      async () => {
+        await sweeper.tick();
+        await sweeper.upkeep();
+        return published('given-up', from).some((m) => JSON.stringify(freedValues(m)).includes(chosen.value));
+      },
+      5_000,
+      100,
+    );
+    expect(
+      published('given-up', from)
+        .flatMap((m) => freedValues(m) as string[])
+        .sort(),
+    ).toEqual(valuesOf(stalled));
+
+    // A confirm after the hold ran out takes the item back (pin); its commit cannot land (Postgres unreachable, say):
+    // the un-pin puts the item back, and says so.
+    from = heard.length;
+    const late = (await reserve('taken-back', { owner: 'o', count: 1, ttlMs: 1000 })).body;
+    await sleep(1000 + api.config.HOLD_GRACE_MS + 100);
+    const pinned = await holds.pin('taken-back', late.id, [late.items[0].resourceId], 5_000);
+    expect(pinned.status).toBe('pinned');
+    if (pinned.status !== 'pinned') return;
+    expect(pinned.retaken).toEqual([late.items[0].resourceId]);
+    await sleep(100);
+    expect(published('taken-back', from)).toEqual([]);
+    await holds.unpin('taken-back', pinned, true);
+    await eventually(async () => published('taken-back', from).length > 0, 2_000, 10);
+    expect(published('taken-back', from).map(freedValues)).toEqual([[late.items[0].value]]);
   });
 
   it('a waiter on another instance is woken when an item comes free: served at once, not at its next try', async () => {
