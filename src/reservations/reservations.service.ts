@@ -23,17 +23,17 @@ export const IDEMPOTENCY_KEY = /^[\x21-\x7e]{1,255}$/;
  * found within 1.5 × WAIT_MAX_PAUSE_MS, and a waiter costs Redis at most one reserve script per pause. Waiters take
  * their turn: the items a filter's waiters could use go to the one that began to wait first (reserve.lua, `line`).
  *
- * Waiters are woken when items come free in their pool (WakeUps): for each filter, if `n` of the items that came free
- * match it, the first `n` waiters with that filter on this instance, in the order they began to wait, try again at
- * once (at most WAKE_MAX_WAITERS a message in all; for a message that gives only how many came free, every filter
- * counts them all). A waiter woken during a try tries again as soon as that try ends. A waiter is not woken by a
- * waiter ahead of it leaving the line, nor by one that stopped trying (its place lapses), nor while this instance is
- * not subscribed: then it finds out on its next try. While wake-ups are not live (the connection down, or the
- * subscription not confirmed yet), the first waiter in line, told it has no live waiter ahead, pauses at most
- * WAIT_HEAD_PAUSE_MS (to 1.5 times it) whatever its backoff, so that it tries again within 75 ms of their return; at
- * most WAIT_MAX_HEADS waiters an instance pause so briefly (a client may make every waiter the first of a line of its
- * own, a filter each), the others keep their backoff. When the connection is lost, those first in line are woken to
- * start doing so.
+ * Waiters are woken when items come free in their pool (WakeUps): for each filter, the waiters on this instance with
+ * that filter that the items matching it could serve, first fit in the order they began to wait (`wake`), try again
+ * at once (at most WAKE_MAX_WAITERS a message in all; a message that gives only how many came free counts them all
+ * for every filter), but at most every WAKE_MIN_GAP_MS. A waiter woken during a try tries again as soon as that try
+ * ends. A waiter is not woken by a waiter ahead of it leaving the line, nor by one that stopped trying (its place
+ * lapses), nor while this instance is not subscribed: then it finds out on its next try. While wake-ups are not live
+ * (the connection down, or the subscription not confirmed yet), the first waiter in line, told it has no live waiter
+ * ahead, pauses at most WAIT_HEAD_PAUSE_MS (to 1.5 times it) whatever its backoff, so that it tries again within
+ * 75 ms of their return; at most WAIT_MAX_HEADS waiters an instance pause so briefly (a client may make every waiter
+ * the first of a line of its own, a filter each), the others keep their backoff. When the connection is lost, those
+ * first in line are woken to start doing so.
  */
 export const WAIT_FIRST_PAUSE_MS = 25;
 export const WAIT_MAX_PAUSE_MS = 250;
