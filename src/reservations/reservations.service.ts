@@ -249,8 +249,9 @@ export class ReservationsService implements OnModuleDestroy {
             throw DomainError.shuttingDown();
           }
           // Woken at every free (items taken by others, or kept for waiters ahead), it still tries at most so often.
-          const early = triedAt + WAKE_MIN_GAP_MS - Date.now();
+          const early = Math.min(triedAt + WAKE_MIN_GAP_MS, deadline) - Date.now();
           if (early > 0) await new Promise((resolve) => setTimeout(resolve, early));
+          if (this.stopping) throw DomainError.shuttingDown();
           if (gone?.aborted) return result;
           triedAt = Date.now();
           result = await this.tryFor(pool, waiter, gone);

@@ -38,8 +38,8 @@ for _, item in ipairs(items) do
     local cached = decode_item(item_get(base, item.id))
     if cached and cached.n > tonumber(allocated[item.id]) then
       -- The cache is newer than the allocation Postgres showed: released since, free at that version.
-      local _, fresh = free_items(base, rid, { cached }, false, waited)
-      append_items(came_free, fresh)
+      local _, came = free_items(base, rid, { cached }, false, waited)
+      append_items(came_free, came)
     else
       if holder == rid or not holder then redis.call('SET', hkey, tombstone(allocated[item.id]), 'PX', tombstone_ms) end
       item_del(base, item.id)
@@ -83,8 +83,8 @@ if expires > now and next(allocated) == nil and next(fresh) == nil then
   return -2
 end
 
-local freed, fresh = free_items(base, rid, back, false, waited)
-append_items(came_free, fresh)
+local freed, came = free_items(base, rid, back, false, waited)
+append_items(came_free, came)
 redis.call('HSET', rkey, unpack(uncount_into(base, r, items, { 's', 'expired' })))
 redis.call('PEXPIRE', rkey, retention)
 redis.call('ZREM', base .. 'exp', rid)
