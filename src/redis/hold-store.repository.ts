@@ -8,7 +8,7 @@ import { DomainError, ErrorCode } from '../common/errors.js';
 import { Later } from '../common/later.js';
 import { loadScript } from './lua-prelude.js';
 import { freeMember, legacyAttributeSets, markerKey, poolBase, poolKeys, rebuildRunKey } from './keys.js';
-import { REDIS, REDIS_TIMEOUT_MESSAGE, evictionPolicyOf, evictionRefusal, redisNowMs, withTimeout } from './redis.client.js';
+import { REDIS, REDIS_TIMEOUT_MESSAGE, evictionPolicyOf, evictionRefusal, redisNowMs, warnEachError, withTimeout } from './redis.client.js';
 
 /**
  * An item as Redis caches it: the JSON stored in the item hash, in reservations and in imports. The
@@ -231,14 +231,7 @@ export class HoldStore implements OnApplicationShutdown {
   ) {
     this.prefix = config.REDIS_KEY_PREFIX;
     // Connection errors surface as 503s on the requests that meet them; log each distinct one once.
-    let last = '';
-    redis.on('error', (err: Error) => {
-      if (err.message !== last) this.logger.warn(`redis: ${err.message}`);
-      last = err.message;
-    });
-    redis.on('ready', () => {
-      last = '';
-    });
+    warnEachError(redis, (message) => this.logger.warn(`redis: ${message}`));
     this.retentionMs = config.RESERVATION_RETENTION_MS;
     this.openRecordMs = Math.max(config.RESERVATION_RETENTION_MS, OPEN_RECORD_MARGIN_MS);
     for (const name of SCRIPTS) {

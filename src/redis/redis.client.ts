@@ -4,6 +4,24 @@ import { StartupError, endpoint, isRedisOutage, refused, unreachable } from '../
 
 export const REDIS = Symbol('REDIS');
 
+/** How long ioredis waits before its `attempt`th reconnect: doubling from 100 ms, at most 2 s. */
+export const reconnectDelay = (attempt: number): number => Math.min(50 * 2 ** Math.min(attempt, 6), 2000);
+
+/**
+ * Logs each distinct error of a connection once (`warn`), until it is ready again: a Redis that is down makes ioredis
+ * report the same error at every reconnect attempt. The requests that meet the outage answer 503 on their own.
+ */
+export function warnEachError(redis: Redis, warn: (message: string) => void): void {
+  let last = '';
+  redis.on('error', (err: Error) => {
+    if (err.message !== last) warn(err.message);
+    last = err.message;
+  });
+  redis.on('ready', () => {
+    last = '';
+  });
+}
+
 /**
  * One connection per instance. Commands fail at once while Redis is unreachable (no offline queue) and
  * are never re-sent after a reconnect, so callers answer 503 instead of piling requests up, and a 503
@@ -25,7 +43,7 @@ export function createRedis(config: AppConfig): Redis {
     commandTimeout: 2 * config.REDIS_TIMEOUT_MS,
     connectTimeout: config.REDIS_TIMEOUT_MS,
     enableAutoPipelining: true,
-    retryStrategy: (attempt) => Math.min(50 * 2 ** Math.min(attempt, 6), 2000),
+    retryStrategy: reconnectDelay,
     reconnectOnError: (err) => /READONLY|LOADING/.test(err.message),
   });
 }

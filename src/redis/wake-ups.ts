@@ -2,7 +2,7 @@ import { Injectable, Logger, OnApplicationShutdown } from '@nestjs/common';
 import { Redis } from 'ioredis';
 import { AppConfig } from '../config/app-config.js';
 import { poolBase } from './keys.js';
-import { withTimeout } from './redis.client.js';
+import { reconnectDelay, warnEachError, withTimeout } from './redis.client.js';
 
 /** Items that came free in a pool: their values and attributes, or (more than 32 at once) only how many. */
 export interface FreedItems {
@@ -117,19 +117,14 @@ export class WakeUps implements OnApplicationShutdown {
       autoResendUnfulfilledCommands: false,
       maxRetriesPerRequest: 1,
       connectTimeout: this.config.REDIS_TIMEOUT_MS,
-      retryStrategy: (attempt) => Math.min(50 * 2 ** Math.min(attempt, 6), 2000),
+      retryStrategy: reconnectDelay,
     });
-    let last = '';
-    connection.on('error', (err: Error) => {
-      if (err.message !== last) this.logger.warn(`redis (waiters' wake-ups): ${err.message}`);
-      last = err.message;
-    });
+    warnEachError(connection, (message) => this.logger.warn(`redis (waiters' wake-ups): ${message}`));
     connection.on('close', () => {
       this.confirmed.clear();
       for (const set of this.listeners.values()) for (const listener of [...set]) listener.lost();
     });
     connection.on('ready', () => {
-      last = '';
       this.confirmed.clear();
       for (const channel of this.listeners.keys()) this.subscribe(channel);
     });
