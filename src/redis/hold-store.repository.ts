@@ -80,9 +80,10 @@ export type ReserveResult =
   /**
    * `waitersAhead`: a reserve that waits found `count` free but for the items kept for this many reserves that began to
    * wait before it, with its filter (reserve.lua, `line`). `inLine`: for a reserve that waits in a line, how many live
-   * waiters are ahead of it (of the first 64).
+   * waiters are ahead of it (of the first 64); `spare`: how many matching free items (index entries, stale ones
+   * included) those waiters leave, too few for this one and maybe enough for smaller ones behind it.
    */
-  | { status: 'exhausted'; limited: boolean; waitersAhead?: number; inLine?: number }
+  | { status: 'exhausted'; limited: boolean; waitersAhead?: number; inLine?: number; spare?: number }
   | { status: 'quota'; held: number }
   | { status: 'reused' };
 
@@ -150,8 +151,22 @@ const REBUILD_RUN_KEY_MS = 24 * 3600_000;
 const MAX_PENDING_UNDOS = 10_000;
 /** In the marker's value while a rebuild round runs: `<generation> rebuilding:<run>`. */
 export const REBUILDING = ' rebuilding:';
-/** A waiter out of its line (KEYS[1], the order) and its place (KEYS[2]) at once: one without the other is passed over. */
-const LEAVE_LINE = `redis.call('ZREM', KEYS[1], ARGV[1]) redis.call('ZREM', KEYS[2], ARGV[1]) return 1`;
+/**
+ * A waiter out of its line (KEYS[1], the order) and its place (KEYS[2]) at once: one without the other is passed over.
+ * ARGV: 1 the member ("<count> <rid>"), 2 the pool's key base, 3 the line. Items may have been kept for it, while its
+ * place was live, from the waiters behind it: if any are left and the pool is waited in (<base>ww), it says so on the
+ * pool's channel, `left <line> <count>` (WakeUps), for them to try again at once.
+ */
+const LEAVE_LINE = `
+local place = redis.call('ZSCORE', KEYS[2], ARGV[1])
+redis.call('ZREM', KEYS[1], ARGV[1])
+redis.call('ZREM', KEYS[2], ARGV[1])
+local t = redis.call('TIME')
+if place and tonumber(place) > tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  and redis.call('ZCARD', KEYS[1]) > 0 and redis.call('EXISTS', ARGV[2] .. 'ww') == 1 then
+  redis.pcall('PUBLISH', ARGV[2] .. 'freed', 'left ' .. ARGV[3] .. ' ' .. string.match(ARGV[1], '^(%d+) '))
+end
+return 1`;
 /** The marker set to ARGV[2] only over ARGV[1] (Redis 7.0 has no SET ... IFEQ). */
 const MARK_REBUILT = `if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('SET', KEYS[1], ARGV[2]) return 1 end return 0`;
 /** addFree adds nothing from a Postgres read older than this (Redis' clock), well inside a tombstone's life. */
@@ -315,9 +330,17 @@ export class HoldStore implements OnApplicationShutdown {
       case 'exhausted':
         switch (reply[1]) {
           case 'waiters':
-            return { status: 'exhausted', limited: false, waitersAhead: Number(reply[2]), inLine: Number(reply[3]) };
+            return {
+              status: 'exhausted',
+              limited: false,
+              waitersAhead: Number(reply[2]),
+              inLine: Number(reply[3]),
+              spare: Number(reply[4]),
+            };
           case 'line':
-            return { status: 'exhausted', limited: false, inLine: Number(reply[2]) };
+            // No spare: the pick found too few (stale index entries), which it dropped.
+            if (reply[3] === undefined) return { status: 'exhausted', limited: false, inLine: Number(reply[2]) };
+            return { status: 'exhausted', limited: false, inLine: Number(reply[2]), spare: Number(reply[3]) };
           default:
             return { status: 'exhausted', limited: reply[1] === 'limited' };
         }
@@ -427,7 +450,7 @@ export class HoldStore implements OnApplicationShutdown {
     const base = poolBase(this.prefix, pool);
     const member = `${req.count} ${req.reservationId}`;
     const leave = withTimeout(
-      this.redis.eval(LEAVE_LINE, 2, `${base}wq:${line}`, `${base}wl:${line}`, member),
+      this.redis.eval(LEAVE_LINE, 2, `${base}wq:${line}`, `${base}wl:${line}`, member, base, line),
       this.config.REDIS_TIMEOUT_MS,
     )
       .then(() => undefined)

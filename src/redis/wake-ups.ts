@@ -13,6 +13,8 @@ export interface FreedItems {
 export interface FreedListener {
   /** Items came free in the pool. */
   freed(freed: FreedItems): void;
+  /** A waiter for `count` items left the waiting line `line` with its place live: items may have been kept for it. */
+  left(line: string, count: number): void;
   /** The connection was lost: messages may be missed until `live` says true again. */
   lost(): void;
 }
@@ -41,13 +43,20 @@ export function parseFreed(message: string): FreedItems | null {
   }
 }
 
+/** A message of HoldStore.leaveLine, `left <line> <count>`: the line and the count; null if it is not one. */
+export function parseLeft(message: string): { line: string; count: number } | null {
+  const match = /^left (\S+) (\d+)$/.exec(message);
+  return match && Number(match[2]) > 0 ? { line: match[1], count: Number(match[2]) } : null;
+}
+
 /** How often the connection is checked while anyone listens (PING): a link that died silently is dropped. */
 const KEEPALIVE_MS = 1_000;
 
 /**
  * The connection that hears of items coming free, for the reserves that wait (waitMs). The scripts that put items
  * back in a pool's free index publish them on its channel while a reserve waits in that pool (`<base>ww`,
- * reserve.lua); this instance subscribes to the channels of the pools its waiters wait in, on a connection of its
+ * reserve.lua), and so does a waiter that leaves its line while items may be kept for it (HoldStore.leaveLine); this
+ * instance subscribes to the channels of the pools its waiters wait in, on a connection of its
  * own (a subscribed connection can send nothing else), opened when the first waiter listens. While anyone listens
  * it PINGs the connection every second and drops it (to reconnect) when no answer comes within REDIS_TIMEOUT_MS,
  * so a link that died without a word is not taken for a quiet one for long.
@@ -130,9 +139,14 @@ export class WakeUps implements OnApplicationShutdown {
     });
     connection.on('message', (channel: string, message: string) => {
       const set = this.listeners.get(channel);
-      const freed = set && parseFreed(message);
-      if (!freed) return;
-      for (const listener of [...set]) listener.freed(freed);
+      if (!set) return;
+      const left = message.startsWith('left ') ? parseLeft(message) : null;
+      if (left) {
+        for (const listener of [...set]) listener.left(left.line, left.count);
+        return;
+      }
+      const freed = parseFreed(message);
+      if (freed) for (const listener of [...set]) listener.freed(freed);
     });
     this.connection = connection;
     connection.connect().catch(() => undefined);

@@ -27,8 +27,12 @@ export const IDEMPOTENCY_KEY = /^[\x21-\x7e]{1,255}$/;
  * that filter that the items matching it could serve, first fit in the order they began to wait (`wake`), try again
  * at once (at most WAKE_MAX_WAITERS a message in all; a message that gives only how many came free counts them all
  * for every filter), but at most every WAKE_MIN_GAP_MS. A waiter woken during a try tries again as soon as that try
- * ends. A waiter is not woken by a waiter ahead of it leaving the line, nor by one that stopped trying (its place
- * lapses), nor while this instance is not subscribed: then it finds out on its next try. While wake-ups are not live
+ * ends. The first of a line is woken whatever its count (items free before may make up the rest): when its try finds
+ * too few, the free items it reports the waiters ahead leave (reserve.lua, `spare`) wake the waiters behind it that
+ * they could serve, first fit (`passOn`). A waiter that leaves its line unserved, its place live, tells the pool's
+ * instances (HoldStore.leaveLine): each wakes its waiters of that line whose last try found items kept for waiters
+ * ahead, first fit by the count of the one that left (`wakeBehind`). A waiter is not woken by one ahead that
+ * stopped trying (its place lapses), nor while this instance is not subscribed: then it finds out on its next try. While wake-ups are not live
  * (the connection down, or the subscription not confirmed yet), the first waiter in line, told it has no live waiter
  * ahead, pauses at most WAIT_HEAD_PAUSE_MS (to 1.5 times it) whatever its backoff, so that it tries again within
  * 75 ms of their return; at most WAIT_MAX_HEADS waiters an instance pause so briefly (a client may make every waiter
@@ -55,6 +59,54 @@ interface Waiter {
   wake?: () => void;
   /** Woken while it was not pausing (a try under way): it tries again without a pause. */
   woken: boolean;
+  /** Its last try found enough items but for those kept for waiters ahead of it in its line. */
+  keptAhead: boolean;
+  /** The number of its last try (ReservationsService.tries). */
+  tried: number;
+  /** Woken, and its next try not sent yet: woken again, it would try no sooner. */
+  roused: boolean;
+}
+
+/**
+ * Ends a waiter's pause, or, during a try, has it try again as soon as that try ends; false if it was woken already
+ * and has not tried since (this changes nothing).
+ */
+function rouse(w: Waiter): boolean {
+  if (w.roused) return false;
+  w.roused = true;
+  if (w.wake) w.wake();
+  else w.woken = true;
+  return true;
+}
+
+/** The waiters that began to wait after `me`, in that order. */
+function* after(waiting: Iterable<Waiter>, me: Waiter): Generator<Waiter> {
+  let behind = false;
+  for (const w of waiting) {
+    if (behind) yield w;
+    else behind = w === me;
+  }
+}
+
+/**
+ * Of the waiters `which` selects, in the order they began to wait, each that `items` still serve is counted out of
+ * them (first fit, as reserve.lua serves a line) and woken unless `saw` says it has tried since the items were
+ * counted (it took them or was told why not); at most WAKE_MAX_WAITERS are woken. Returns how many.
+ */
+function wakeFirstFit(
+  waiting: Iterable<Waiter>,
+  items: number,
+  which: (w: Waiter) => boolean,
+  saw: (w: Waiter) => boolean = () => false,
+): number {
+  let woken = 0;
+  for (const w of waiting) {
+    if (items <= 0 || woken >= WAKE_MAX_WAITERS) break;
+    if (!which(w) || w.count > items) continue;
+    items -= w.count;
+    if (!saw(w) && rouse(w)) woken++;
+  }
+  return woken;
 }
 
 /** Whether an item that came free matches a reserve's filter (as reserve.lua's `matches`). */
@@ -99,6 +151,11 @@ export class ReservationsService implements OnModuleDestroy {
   private readonly pauses = new Set<(goOn: boolean) => void>();
   /** Reserves waiting for free items now (AppConfig.MAX_WAITING_RESERVES). */
   private waiting = 0;
+  /**
+   * Tries of reserves that wait, numbered as they are sent: they go on one connection, so Redis runs them in this
+   * order, and a try numbered after another saw what that one saw, or later.
+   */
+  private tries = 0;
   /** Waiters first in their line, pausing briefly now (WAIT_MAX_HEADS). */
   private heads = 0;
   /** The waiters of each pool, in the order they began to wait, and how to stop listening for its freed items. */
@@ -212,6 +269,7 @@ export class ReservationsService implements OnModuleDestroy {
     let result: ReserveResult | undefined;
     let failed = false;
     try {
+      const firstTry = ++this.tries;
       result = await this.tryFor(pool, waiter, gone);
       if (result.status !== 'exhausted' || result.limited) return result;
       if (this.waiting >= most) throw tooMany();
@@ -226,6 +284,9 @@ export class ReservationsService implements OnModuleDestroy {
         count: waiter.count,
         first: false,
         woken: false,
+        keptAhead: false,
+        tried: firstTry,
+        roused: false,
       };
       let stopWaiting = (): void => undefined;
       let head = false;
@@ -254,8 +315,12 @@ export class ReservationsService implements OnModuleDestroy {
           if (this.stopping) throw DomainError.shuttingDown();
           if (gone?.aborted) return result;
           triedAt = Date.now();
+          me.tried = ++this.tries;
+          me.roused = false;
           result = await this.tryFor(pool, waiter, gone);
           if (result.status !== 'exhausted' || result.limited) return result;
+          me.keptAhead = (result.waitersAhead ?? 0) > 0;
+          if (result.spare) this.passOn(pool, me, result.spare);
         }
       } finally {
         stopWaiting();
@@ -285,6 +350,7 @@ export class ReservationsService implements OnModuleDestroy {
       const waiting = new Set<Waiter>();
       const listener = {
         freed: (freed: FreedItems) => this.wake(waiting, freed),
+        left: (line: string, count: number) => this.wakeBehind(waiting, line, count),
         // Not woken from now on: those first in line try again now, and as often as WAIT_HEAD_PAUSE_MS from then on.
         lost: () => waiting.forEach((w) => w.first && w.wake?.()),
       };
@@ -313,10 +379,35 @@ export class ReservationsService implements OnModuleDestroy {
       const left = seen ?? (freed.items ? freed.items.filter((item) => matchesFilter(item, w.filter)).length : freed.count);
       if (left === 0 || (seen !== undefined && w.count > left)) continue;
       usable.set(w.group, w.count <= left ? left - w.count : left);
-      if (w.wake) w.wake();
-      else w.woken = true;
-      if (++woken >= WAKE_MAX_WAITERS) break;
+      if (rouse(w) && ++woken >= WAKE_MAX_WAITERS) break;
     }
+    if (woken > 0) this.metrics.waitersWoken.inc(woken);
+  }
+
+  /**
+   * A try of `me` found too few items, `spare` of them left by the waiters ahead of it: the waiters of its line behind
+   * it on this instance that those could serve, first fit, are woken (the items that came free alone may not have
+   * served them, and so not woken them); those whose last try came after its own are counted, not woken (they saw as
+   * much).
+   */
+  private passOn(pool: string, me: Waiter, spare: number): void {
+    const waiting = this.waiters.get(pool)?.waiting;
+    if (!waiting) return;
+    const woken = wakeFirstFit(
+      after(waiting, me),
+      spare,
+      (w) => w.group === me.group,
+      (w) => w.tried > me.tried,
+    );
+    if (woken > 0) this.metrics.waitersWoken.inc(woken);
+  }
+
+  /**
+   * A waiter for `count` items left the line `line` unserved, maybe with items kept for it: the waiters of that line
+   * on this instance whose last try found items kept for waiters ahead are woken, first fit by `count`.
+   */
+  private wakeBehind(waiting: Set<Waiter>, line: string, count: number): void {
+    const woken = wakeFirstFit(waiting, count, (w) => w.group === line && w.keptAhead);
     if (woken > 0) this.metrics.waitersWoken.inc(woken);
   }
 

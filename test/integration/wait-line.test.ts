@@ -67,8 +67,8 @@ describe('reserves that wait take their turn', () => {
     const [blocker] = await holdAll('turns', 1);
     const first = request('turns', 'first', 1, true);
     const second = request('turns', 'second', 1, true);
-    expect(await holds.reserve('turns', first)).toEqual({ status: 'exhausted', limited: false, inLine: 0 });
-    expect(await holds.reserve('turns', second)).toEqual({ status: 'exhausted', limited: false, inLine: 1 });
+    expect(await holds.reserve('turns', first)).toEqual({ status: 'exhausted', limited: false, inLine: 0, spare: 0 });
+    expect(await holds.reserve('turns', second)).toEqual({ status: 'exhausted', limited: false, inLine: 1, spare: 0 });
     // Turns numbered as they were given, not by the millisecond (two joins in one are in order too).
     expect(await redis.zrange(`${poolBase(world.prefix, 'turns')}wq:-`, 0, -1, 'WITHSCORES')).toEqual([
       `1 ${first.reservationId}`,
@@ -78,10 +78,10 @@ describe('reserves that wait take their turn', () => {
     ]);
     await release(blocker);
     // The item is free, but it is the first waiter's.
-    expect(await holds.reserve('turns', second)).toEqual({ status: 'exhausted', limited: false, waitersAhead: 1, inLine: 1 });
+    expect(await holds.reserve('turns', second)).toEqual({ status: 'exhausted', limited: false, waitersAhead: 1, inLine: 1, spare: 0 });
     expect((await holds.reserve('turns', first)).status).toBe('ok');
     // Served, the first has left the line: the second is next when the item comes back.
-    expect(await holds.reserve('turns', second)).toEqual({ status: 'exhausted', limited: false, inLine: 0 });
+    expect(await holds.reserve('turns', second)).toEqual({ status: 'exhausted', limited: false, inLine: 0, spare: 0 });
     expect(await line('turns')).toEqual([`1 ${second.reservationId}`]);
     await release(first.reservationId);
     expect((await holds.reserve('turns', second)).status).toBe('ok');
@@ -192,7 +192,7 @@ describe('reserves that wait take their turn', () => {
     await release(blocker);
     // One real entry and one stale: the waiter for 3 stops at the count, and leaves the stale entry where it is.
     const big = request('stale', 'big', 3, true);
-    expect(await holds.reserve('stale', big)).toEqual({ status: 'exhausted', limited: false, inLine: 0 });
+    expect(await holds.reserve('stale', big)).toEqual({ status: 'exhausted', limited: false, inLine: 0, spare: 2 });
     expect(await redis.zscore(free, stale)).toBe('0');
     // The waiter for 2 behind it fits the count (nothing is kept for the first, which cannot use 2): its pick meets
     // the stale entry, fails and drains it, and gives the real item back.
@@ -212,11 +212,11 @@ describe('reserves that wait take their turn', () => {
     await release(held[0]);
     // One free: too few for the waiter for 2 whatever is kept (no waitersAhead); the waiter for 3 cannot use it, so
     // the waiter for 1 behind it gets it.
-    expect(await holds.reserve('fit', last)).toEqual({ status: 'exhausted', limited: false, inLine: 2 });
+    expect(await holds.reserve('fit', last)).toEqual({ status: 'exhausted', limited: false, inLine: 2, spare: 0 });
     expect((await holds.reserve('fit', small)).status).toBe('ok');
     for (const id of held.slice(1, 4)) await release(id);
     // Three free, kept for the waiter for 3: none for the waiter for 2 behind it.
-    expect(await holds.reserve('fit', last)).toEqual({ status: 'exhausted', limited: false, waitersAhead: 1, inLine: 1 });
+    expect(await holds.reserve('fit', last)).toEqual({ status: 'exhausted', limited: false, waitersAhead: 1, inLine: 1, spare: 0 });
     expect((await holds.reserve('fit', big)).status).toBe('ok');
     await release(held[4]);
     await release(small.reservationId);
@@ -231,7 +231,7 @@ describe('reserves that wait take their turn', () => {
     expect((await holds.reserve('barge', waiter)).status).toBe('exhausted');
     await release(blocker);
     expect((await reserve('barge', { owner: 'plain', count: 1 })).status).toBe(201);
-    expect(await holds.reserve('barge', waiter)).toEqual({ status: 'exhausted', limited: false, inLine: 0 });
+    expect(await holds.reserve('barge', waiter)).toEqual({ status: 'exhausted', limited: false, inLine: 0, spare: 0 });
   });
 
   it("a waiter whose instance died is passed over once its place lapses: the item is the next one's within 2 s", async () => {
@@ -270,9 +270,9 @@ describe('reserves that wait take their turn', () => {
     expect((await holds.reserve('stalled', next)).status).toBe('exhausted');
     // Back after its place lapsed, before the one behind has tried again: it joins behind it.
     await sleep(WAIT_PLACE_MS * 1.1 - (Date.now() - joined));
-    expect(await holds.reserve('stalled', stalled)).toEqual({ status: 'exhausted', limited: false, inLine: 1 });
+    expect(await holds.reserve('stalled', stalled)).toEqual({ status: 'exhausted', limited: false, inLine: 1, spare: 0 });
     await release(blocker);
-    expect(await holds.reserve('stalled', stalled)).toEqual({ status: 'exhausted', limited: false, waitersAhead: 1, inLine: 1 });
+    expect(await holds.reserve('stalled', stalled)).toEqual({ status: 'exhausted', limited: false, waitersAhead: 1, inLine: 1, spare: 0 });
     expect((await holds.reserve('stalled', next)).status).toBe('ok');
   });
 
@@ -416,9 +416,9 @@ describe('reserves that wait take their turn', () => {
     // The bj waiter, first of all, holds up nobody in another line: not the sh waiter, not the prefix waiters, who
     // want the same bj number; in the prefix line, the first comes first.
     expect((await holds.reserve('lines', sh)).status).toBe('ok');
-    expect(await holds.reserve('lines', prefixLater)).toEqual({ status: 'exhausted', limited: false, waitersAhead: 1, inLine: 1 });
+    expect(await holds.reserve('lines', prefixLater)).toEqual({ status: 'exhausted', limited: false, waitersAhead: 1, inLine: 1, spare: 0 });
     expect((await holds.reserve('lines', byPrefix)).status).toBe('ok');
-    expect(await holds.reserve('lines', bj)).toEqual({ status: 'exhausted', limited: false, inLine: 0 });
+    expect(await holds.reserve('lines', bj)).toEqual({ status: 'exhausted', limited: false, inLine: 0, spare: 0 });
     expect(waitingLine({ kind: 'r', attributes: { city: 'bj' }, valuePrefix: '139' })).toBe('');
     expect(waitingLine({ kind: 'r', attributes: { city: 'bj', kind: 'vip' } })).toBe('');
   });

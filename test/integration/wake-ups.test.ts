@@ -42,18 +42,19 @@ describe('waiters woken when items come free', () => {
       .slice(from)
       .filter((h) => h.channel === freedChannel(world.prefix, pool))
       .map((h) => h.message);
+  /** The request of a reserve that waits (tried by hand through HoldStore, as by an instance not started here). */
+  const waiterRequest = (pool: string, count: number) => ({
+    reservationId: makeReservationId(pool, randomUUID()),
+    owner: 'waiter',
+    count,
+    ttlMs: 60_000,
+    maxHoldsPerOwner: 0,
+    kind: 'r' as const,
+    groupAffinity: false,
+    waits: true,
+  });
   /** One try of a reserve that waits and finds too few items: what marks the pool as waited in. */
-  const waiterTries = (pool: string) =>
-    api.app.get(HoldStore).reserve(pool, {
-      reservationId: makeReservationId(pool, randomUUID()),
-      owner: 'waiter',
-      count: 1_000,
-      ttlMs: 60_000,
-      maxHoldsPerOwner: 0,
-      kind: 'r',
-      groupAffinity: false,
-      waits: true,
-    });
+  const waiterTries = (pool: string) => api.app.get(HoldStore).reserve(pool, waiterRequest(pool, 1_000));
 
   const waitingOn = async (on: TestInstance) => Number(/^respool_waiting_reserves (\d+)$/m.exec((await on.get('/metrics')).body)?.[1]);
   /**
@@ -272,6 +273,80 @@ describe('waiters woken when items come free', () => {
     expect((await woken(api)) - before).toBe(2);
     expect((await big).status).toBe(409);
     expect((await third).status).toBe(409);
+  });
+
+  it('a waiter refused for too few reports what the waiters ahead of it leave of the matching free items', async () => {
+    await seedPool(api, 'spare', []);
+    const holds = api.app.get(HoldStore);
+    const waiterFor = (count: number) => ({ ...waiterRequest('spare', count), owner: `w${count}` });
+    const [two, three] = [waiterFor(2), waiterFor(3)];
+    expect(await holds.reserve('spare', two)).toEqual({ status: 'exhausted', limited: false, inLine: 0, spare: 0 });
+    expect(await holds.reserve('spare', three)).toEqual({ status: 'exhausted', limited: false, inLine: 1, spare: 0 });
+    expect((await api.post('/v1/pools/spare/resources', { items: numbers(3).map((value) => ({ value })) })).status).toBe(201);
+    // 3 free: 2 kept for the waiter ahead, 1 left.
+    expect(await holds.reserve('spare', three)).toEqual({ status: 'exhausted', limited: false, waitersAhead: 1, inLine: 1, spare: 1 });
+    expect((await holds.reserve('spare', two)).status).toBe('ok');
+    expect(await holds.reserve('spare', three)).toEqual({ status: 'exhausted', limited: false, inLine: 0, spare: 1 });
+  });
+
+  it('a waiter behind a larger one, served by what came free with what was free before, is woken by its try', async () => {
+    // 2 free, 1 held: the release frees 1, which alone serves neither waiter; the first is woken whatever its count.
+    await seedPool(api, 'behind', numbers(3));
+    const holder = (await reserve('behind', { owner: 'holder', count: 1 })).body;
+    const before = await woken(api);
+    const [big, small] = await startWaiters('behind', [
+      { owner: 'big', count: 5, waitMs: 2_000 },
+      { owner: 'small', count: 3, waitMs: 2_000 },
+    ]);
+    expect((await api.del(`/v1/reservations/${holder.id}`)).status).toBe(200);
+    expect((await small).status).toBe(201);
+    // The first by the message; the one behind it by the first's try, which found 3 free that it left.
+    expect((await woken(api)) - before).toBeGreaterThanOrEqual(2);
+    expect((await big).status).toBe(409);
+  });
+
+  it('a waiter that leaves its line with items kept for it wakes the waiters behind it they were kept from', async () => {
+    await seedPool(api, 'leave', numbers(2));
+    await listener.subscribe(freedChannel(world.prefix, 'leave'));
+    const redis = api.app.get<Redis>(REDIS);
+    const holds = api.app.get(HoldStore);
+    const holder = (await reserve('leave', { owner: 'holder', count: 2 })).body;
+    // A waiter whose instance is not one of these (its tries are made by hand): first in line, for 2.
+    const ahead = waiterRequest('leave', 2);
+    expect((await holds.reserve('leave', ahead)).status).toBe('exhausted');
+    const [behind] = await startWaiters('leave', [{ owner: 'behind', count: 2, waitMs: 5_000 }], other);
+    // Its place lasts as long as the line does (the waiter behind keeps the line's keys).
+    const line = `${poolBase(world.prefix, 'leave')}wl:-`;
+    await redis.zadd(line, Date.now() + 60_000, `2 ${ahead.reservationId}`);
+    const otherHolds = other.app.get(HoldStore);
+    const real = otherHolds.reserve.bind(otherHolds);
+    let keptFrom = false;
+    const spy = vi.spyOn(otherHolds, 'reserve').mockImplementation(async (pool, req) => {
+      const result = await real(pool, req);
+      if (pool === 'leave' && result.status === 'exhausted' && result.waitersAhead === 1) keptFrom = true;
+      return result;
+    });
+    try {
+      const before = await woken(other);
+      // 2 come free: the waiter behind is woken, and finds them kept for the one ahead.
+      expect((await api.del(`/v1/reservations/${holder.id}`)).status).toBe(200);
+      await eventually(async () => keptFrom, 2_000, 5);
+      const from = heard.length;
+      await holds.leaveLine('leave', ahead);
+      expect((await behind).status).toBe(201);
+      expect(published('leave', from)).toEqual(['left - 2']);
+      expect((await woken(other)) - before).toBe(2);
+    } finally {
+      spy.mockRestore();
+    }
+    // Leaving again (no place), or alone in the line: nothing is said.
+    const alone = waiterRequest('leave', 5);
+    expect((await holds.reserve('leave', alone)).status).toBe('exhausted');
+    const from = heard.length;
+    await holds.leaveLine('leave', ahead);
+    await holds.leaveLine('leave', alone);
+    await sleep(100);
+    expect(published('leave', from)).toEqual([]);
   });
 
   it('only the waiters whose filter an item that came free matches are woken', async () => {

@@ -1,5 +1,5 @@
 import { describe, expect, it } from 'vitest';
-import { parseFreed } from '../../src/redis/wake-ups.js';
+import { parseFreed, parseLeft } from '../../src/redis/wake-ups.js';
 import { matchesFilter } from '../../src/reservations/reservations.service.js';
 
 describe('wake-up messages', () => {
@@ -10,6 +10,12 @@ describe('wake-up messages', () => {
     });
     expect(parseFreed('40')).toEqual({ count: 40 });
     for (const junk of ['0', '', '[]', '{}', '[{"a":{}}]', '[1]', 'not json', '-3', '[{"v":1}]']) expect(parseFreed(junk)).toBeNull();
+  });
+
+  it('reads a waiter leaving its line: the line and its count, and nothing else', () => {
+    expect(parseLeft('left - 3')).toEqual({ line: '-', count: 3 });
+    expect(parseLeft('left AbC_-9xyzAbC_-9x 12')).toEqual({ line: 'AbC_-9xyzAbC_-9x', count: 12 });
+    for (const junk of ['left - 0', 'left -', 'left  3', 'left - 3 4', 'left - -3', '3', '[{"v":"1"}]']) expect(parseLeft(junk)).toBeNull();
   });
 
   it('matches a filter as the reserve script does: a value prefix and every attribute pair', () => {

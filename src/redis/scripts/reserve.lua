@@ -10,8 +10,9 @@
 --       to be woken when items come free (WAIT_WAKE_UPS)
 -- Returns: {"ok"|"replay", rid, state, owner, kind, createdMs, expiresMs, itemsJson, outcomeJson, nowMs}
 --          or {"exhausted"} | {"exhausted", "limited"} (a filtered walk stopped at MAX_LOOKUPS) | {"quota", heldNow}
---          | {"reused"}; for a waiter, {"exhausted", "line", a} or {"exhausted", "waiters", n, a} (enough would be free
---          but for the n waiters before it they are kept for), a = live waiters ahead of it
+--          | {"reused"}; for a waiter, {"exhausted", "line", a, s} or {"exhausted", "waiters", n, a, s} (enough would be
+--          free but for the n waiters before it they are kept for), a = live waiters ahead of it, s = the matching free
+--          items (index entries) those waiters leave, which may serve smaller waiters behind it
 local base, rid, owner = ARGV[1], ARGV[2], ARGV[3]
 local count, ttl, max_holds = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
 local kind, open_record_ms = ARGV[7], tonumber(ARGV[8])
@@ -80,7 +81,10 @@ local want = attr_json ~= '' and cjson.decode(attr_json) or {}
 -- each live waiter ahead of it (at most AHEAD) that they could serve now; what is left must be `count` or more. A
 -- waiter that is served leaves the line here; one that gives up leaves it by HoldStore.leaveLine, or is passed over
 -- once its place lapses. ahead_live: how many live waiters are ahead of this one (of the AHEAD first), reported with
--- "exhausted": the first in line (0) tries again sooner than the others (ReservationsService).
+-- "exhausted": the first in line (0) tries again sooner than the others (ReservationsService); with it, how many of
+-- the matching free items the live waiters ahead leave (`spare`): the service wakes its waiters behind this one that
+-- they could serve (a free wakes the first of a line whatever its count, and those behind only if what came free
+-- alone serves them).
 local queue, places, member, ahead_live
 if line ~= '' then
   local AHEAD = 64
@@ -124,15 +128,15 @@ if line ~= '' then
   else
     left = redis.call('ZCARD', free)
   end
-  if left < count then return too_few({ 'exhausted', 'line', ahead_live }) end
-  local kept = 0
+  local spare, kept = left, 0
   for _, n in ipairs(live) do
-    if n <= left then
-      left = left - n
+    if n <= spare then
+      spare = spare - n
       kept = kept + 1
     end
   end
-  if left < count then return too_few({ 'exhausted', 'waiters', tostring(kept), ahead_live }) end
+  if left < count then return too_few({ 'exhausted', 'line', ahead_live, tostring(spare) }) end
+  if spare < count then return too_few({ 'exhausted', 'waiters', tostring(kept), ahead_live, tostring(spare) }) end
 end
 
 local chosen, seen = {}, {}
@@ -363,6 +367,7 @@ if #chosen < count then
   for _, item in ipairs(items) do redis.call('DEL', base .. 'h:' .. item.id) end
   index_all(base, items)
   if limited then return { 'exhausted', 'limited' } end
+  -- (No spare: the count before the pick included the stale entries it dropped.)
   return too_few(ahead_live and { 'exhausted', 'line', ahead_live } or { 'exhausted' })
 end
 
