@@ -416,7 +416,13 @@ describe('reserves that wait take their turn', () => {
     // The bj waiter, first of all, holds up nobody in another line: not the sh waiter, not the prefix waiters, who
     // want the same bj number; in the prefix line, the first comes first.
     expect((await holds.reserve('lines', sh)).status).toBe('ok');
-    expect(await holds.reserve('lines', prefixLater)).toEqual({ status: 'exhausted', limited: false, waitersAhead: 1, inLine: 1, spare: 0 });
+    expect(await holds.reserve('lines', prefixLater)).toEqual({
+      status: 'exhausted',
+      limited: false,
+      waitersAhead: 1,
+      inLine: 1,
+      spare: 0,
+    });
     expect((await holds.reserve('lines', byPrefix)).status).toBe('ok');
     expect(await holds.reserve('lines', bj)).toEqual({ status: 'exhausted', limited: false, inLine: 0, spare: 0 });
     expect(waitingLine({ kind: 'r', attributes: { city: 'bj' }, valuePrefix: '139' })).toBe('');
