@@ -48,7 +48,7 @@ export function buildOpenApi(app: NestFastifyApplication) {
     )
     .setVersion(API_VERSION)
     // Checked only when the deployment sets API_KEYS; either header will do.
-    .addBearerAuth({ type: 'http', scheme: 'bearer', description: 'An API key of API_KEYS' })
+    .addBearerAuth({ type: 'http', scheme: 'bearer', bearerFormat: 'API key', description: 'An API key of API_KEYS' })
     .addApiKey({ type: 'apiKey', in: 'header', name: 'X-API-Key', description: 'An API key of API_KEYS' }, API_KEY_SCHEME)
     .build();
   return addBodyLimitResponses(addValidationLimits(SwaggerModule.createDocument(app, config)));
@@ -151,6 +151,8 @@ export async function createApp(config: AppConfig, options: { logger?: boolean }
     }
     if (refused) {
       const mapped = mapError(refused);
+      // RFC 9110: a 401 names the scheme that would be accepted.
+      if (refused.code === ErrorCode.UNAUTHENTICATED) reply.header('www-authenticate', 'Bearer realm="respool"');
       await reply.status(mapped.status).send(mapped.body);
     }
   });

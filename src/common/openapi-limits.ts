@@ -20,7 +20,8 @@ const LIMITS: Record<string, (constraints: unknown[]) => Schema> = {
   isFlatStringRecord: () => ({
     type: 'object',
     maxProperties: MAX_ATTRIBUTES,
-    propertyNames: { minLength: 1, maxLength: MAX_ATTRIBUTE_KEY },
+    // OpenAPI 3.0's schemas have no propertyNames (JSON Schema's): an extension, and the DTO's description, say it.
+    'x-propertyNames': { minLength: 1, maxLength: MAX_ATTRIBUTE_KEY },
     additionalProperties: { type: 'string', maxLength: MAX_ATTRIBUTE_VALUE },
   }),
 };

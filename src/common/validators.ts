@@ -1,4 +1,11 @@
-import { ValidationOptions, registerDecorator } from 'class-validator';
+import { ValidateIf, ValidationOptions, registerDecorator } from 'class-validator';
+
+/**
+ * A property that may be left out, and is then not checked; sent, it is checked, `null` included (refused by its
+ * type's check). `@IsOptional` skips `null` too, which would take a `null` as "the default" for a field whose
+ * schema says nothing of null.
+ */
+export const Omittable = (): PropertyDecorator => ValidateIf((_object: object, value: unknown) => value !== undefined);
 
 export const POOL_NAME = /^[a-z0-9][a-z0-9_-]{0,62}$/;
 /** Resource ids are Postgres bigints, sent as decimal strings: 1 to 9223372036854775807. */

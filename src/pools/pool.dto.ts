@@ -14,7 +14,7 @@ import {
   Min,
   ValidateNested,
 } from 'class-validator';
-import { IsCharLength, IsFlatStringRecord, IsResourceId, POOL_NAME, RESOURCE_ID } from '../common/validators.js';
+import { IsCharLength, IsFlatStringRecord, IsResourceId, Omittable, POOL_NAME, RESOURCE_ID } from '../common/validators.js';
 
 export const POOL_KINDS = ['number', 'task'] as const;
 export type PoolKind = (typeof POOL_KINDS)[number];
@@ -27,7 +27,11 @@ export class PoolParams {
 }
 
 export class ResourceParams extends PoolParams {
-  @ApiProperty({ description: 'Resource id (a Postgres bigint, as a string)', example: '5780', pattern: RESOURCE_ID.source })
+  @ApiProperty({
+    description: 'Resource id (a Postgres bigint, as a string): 1 to 9223372036854775807',
+    example: '5780',
+    pattern: RESOURCE_ID.source,
+  })
   @IsResourceId()
   id: string;
 }
@@ -43,7 +47,7 @@ export class CreatePoolDto {
   kind: PoolKind;
 
   @ApiPropertyOptional({ description: 'Default hold time of a reservation or lease, ms', default: 600_000, minimum: 1000 })
-  @IsOptional()
+  @Omittable()
   @IsInt()
   @Min(1000)
   @Max(MAX_TTL_MS)
@@ -54,7 +58,7 @@ export class CreatePoolDto {
     default: 3_600_000,
     minimum: 1000,
   })
-  @IsOptional()
+  @Omittable()
   @IsInt()
   @Min(1000)
   @Max(MAX_TTL_MS)
@@ -122,24 +126,29 @@ export class ImportItemDto {
   value: string;
 
   @ApiPropertyOptional({
-    description: 'Flat object of string values, usable in reservation filters',
+    description:
+      'Flat object of string values (at most 32, keys of 1 to 64 characters), usable in reservation filters; null or left ' + 'out: none',
     type: 'object',
     additionalProperties: { type: 'string' },
+    nullable: true,
     example: { city: 'bj' },
   })
   @IsOptional()
   @IsFlatStringRecord()
-  attributes?: Record<string, string>;
+  attributes?: Record<string, string> | null;
 
   @ApiPropertyOptional({
     description:
-      'Group of the item (task pools: pull-next gives a reviewer a task of a group it already leases in before one of another group)',
+      'Group of the item (task pools: pull-next gives a reviewer a task of a group it already leases in before one of another ' +
+      'group); null or left out: none',
+    type: 'string',
     maxLength: 256,
+    nullable: true,
   })
   @IsOptional()
   @IsString()
   @IsCharLength(1, 256)
-  groupKey?: string;
+  groupKey?: string | null;
 }
 
 export class ImportResourcesDto {

@@ -7,14 +7,13 @@ import {
   IsArray,
   IsInt,
   IsObject,
-  IsOptional,
   IsString,
   Matches,
   Max,
   Min,
   ValidateNested,
 } from 'class-validator';
-import { IsCharLength, IsFlatStringRecord, IsResourceId } from '../common/validators.js';
+import { IsCharLength, IsFlatStringRecord, IsResourceId, Omittable } from '../common/validators.js';
 import { MAX_TTL_MS } from '../pools/pool.dto.js';
 import { RESERVATION_ID_PATTERN } from '../redis/keys.js';
 
@@ -33,17 +32,17 @@ export class ReservationParams {
 
 export class ReservationFilterDto {
   @ApiPropertyOptional({
-    description: 'Only items whose attributes include all of these key/value pairs',
+    description: 'Only items whose attributes include all of these key/value pairs (at most 32, keys of 1 to 64 characters)',
     type: 'object',
     additionalProperties: { type: 'string' },
     example: { city: 'bj' },
   })
-  @IsOptional()
+  @Omittable()
   @IsFlatStringRecord()
   attributes?: Record<string, string>;
 
   @ApiPropertyOptional({ description: 'Only items whose value starts with this prefix', example: '138', maxLength: 256 })
-  @IsOptional()
+  @Omittable()
   @IsString()
   @IsCharLength(1, 256)
   valuePrefix?: string;
@@ -56,14 +55,14 @@ export class CreateReservationDto {
   owner: string;
 
   @ApiPropertyOptional({ description: 'How many items to hold, all or nothing', default: 1, minimum: 1, maximum: 100 })
-  @IsOptional()
+  @Omittable()
   @IsInt()
   @Min(1)
   @Max(100)
   count?: number;
 
   @ApiPropertyOptional({ description: "Hold time, ms: 1000 to the pool's maxHoldTtlMs; default the pool's holdTtlMs", minimum: 1000 })
-  @IsOptional()
+  @Omittable()
   @IsInt()
   @Min(1000)
   @Max(MAX_TTL_MS)
@@ -83,14 +82,14 @@ export class CreateReservationDto {
     minimum: 0,
     maximum: 30_000,
   })
-  @IsOptional()
+  @Omittable()
   @IsInt()
   @Min(0)
   @Max(30_000)
   waitMs?: number;
 
   @ApiPropertyOptional({ description: 'Restrict the items that may be held', type: ReservationFilterDto })
-  @IsOptional()
+  @Omittable()
   @IsObject()
   @ValidateNested()
   @Type(() => ReservationFilterDto)
@@ -150,7 +149,7 @@ export class ReservationDto {
 
 export class ConfirmDto {
   @ApiProperty({
-    description: 'The ids of the items to allocate (1-100, each held by this reservation)',
+    description: 'The ids of the items to allocate (1-100, each held by this reservation; an id is 1 to 9223372036854775807)',
     type: [String],
     example: ['5780'],
   })

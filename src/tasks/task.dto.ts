@@ -1,7 +1,7 @@
 import { ApiProperty, ApiPropertyOptional } from '@nestjs/swagger';
-import { IsInt, IsOptional, IsString, Matches, Max, Min } from 'class-validator';
+import { IsInt, IsString, Matches, Max, Min } from 'class-validator';
 import { MAX_TTL_MS } from '../pools/pool.dto.js';
-import { IsCharLength } from '../common/validators.js';
+import { IsCharLength, Omittable } from '../common/validators.js';
 import { RESERVATION_ID_PATTERN } from '../redis/keys.js';
 
 export class LeaseParams {
@@ -21,7 +21,7 @@ export class NextTaskDto {
   reviewer: string;
 
   @ApiPropertyOptional({ description: "Lease time, ms: 1000 to the pool's maxHoldTtlMs; default the pool's holdTtlMs", minimum: 1000 })
-  @IsOptional()
+  @Omittable()
   @IsInt()
   @Min(1000)
   @Max(MAX_TTL_MS)
@@ -53,7 +53,7 @@ export class HeartbeatDto {
     description: "New lease time from now, ms (capped by the pool's maxHoldTtlMs); default the pool's holdTtlMs",
     minimum: 1000,
   })
-  @IsOptional()
+  @Omittable()
   @IsInt()
   @Min(1000)
   // Capped, not refused, like extend's ttlMs.

@@ -34,6 +34,7 @@ describe('API keys', () => {
       const answer = await api.post('/v1/pools', { name: 'nokey', kind: 'number' }, headers);
       expect(answer.status, JSON.stringify(headers)).toBe(401);
       expect(answer.body.error).toMatchObject({ code: 'UNAUTHENTICATED', details: { roles: ['admin'] } });
+      expect(answer.headers.get('www-authenticate')).toBe('Bearer realm="respool"');
       // Checked before the body: a bad one is not reported to a caller without a key.
       expect((await api.post('/v1/pools', { bogus: 1 }, headers)).body.error.code).toBe('UNAUTHENTICATED');
     }
@@ -138,6 +139,8 @@ describe('API keys', () => {
     for (const path of ['/health/live', '/health/ready', '/metrics', '/docs-json']) expect((await api.get(path)).status, path).toBe(200);
     const doc = (await api.get('/docs-json')).body;
     expect(Object.keys(doc.components.securitySchemes).sort()).toEqual(['apiKey', 'bearer']);
+    // An API key, not a JWT.
+    expect(doc.components.securitySchemes.bearer).toMatchObject({ type: 'http', scheme: 'bearer', bearerFormat: 'API key' });
     let calls = 0;
     for (const [path, methods] of Object.entries<Record<string, { security?: unknown[]; responses: Record<string, unknown> }>>(doc.paths)) {
       for (const operation of Object.values(methods)) {

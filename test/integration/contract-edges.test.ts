@@ -36,6 +36,46 @@ describe('API.md edges', () => {
     expect((await api.get('/v1/pools/long-owner')).body.stats).toEqual({ total: 2, free: 2, held: 0, allocated: 0 });
   });
 
+  it('null for a field whose schema does not allow it is 400 VALIDATION_FAILED naming it and changes nothing; where it does, it means none', async () => {
+    await seedPool(api, 'nulls', numbers(2), { kind: 'number' });
+    await seedPool(api, 'null-tasks', numbers(1, '9000'), { kind: 'task' });
+    const refused = async (
+      answer: Promise<{ status: number; body: { error: { code: string; details: { fields: { field: string }[] } } } }>,
+      field: string,
+    ) => {
+      const { status, body } = await answer;
+      expect(status).toBe(400);
+      expect(body.error.code).toBe('VALIDATION_FAILED');
+      expect(body.error.details.fields.map((f) => f.field)).toEqual([field]);
+    };
+    for (const field of ['count', 'ttlMs', 'waitMs', 'filter']) {
+      await refused(api.post('/v1/pools/nulls/reservations', { owner: 'o', [field]: null }), field);
+    }
+    await refused(api.post('/v1/pools/nulls/reservations', { owner: 'o', filter: { valuePrefix: null } }), 'filter.valuePrefix');
+    await refused(api.post('/v1/pools/nulls/reservations', { owner: 'o', filter: { attributes: null } }), 'filter.attributes');
+    expect((await api.get('/v1/pools/nulls')).body.stats).toEqual({ total: 2, free: 2, held: 0, allocated: 0 });
+    for (const field of ['holdTtlMs', 'maxHoldTtlMs'])
+      await refused(api.post('/v1/pools', { name: `n-${field.toLowerCase()}`, kind: 'number', [field]: null }), field);
+    expect((await api.get('/v1/pools/n-holdttlms')).status).toBe(404);
+    await refused(api.post('/v1/pools/null-tasks/tasks/next', { reviewer: 'r', leaseMs: null }), 'leaseMs');
+    const lease = (await api.post('/v1/pools/null-tasks/tasks/next', { reviewer: 'r' })).body;
+    await refused(api.post(`/v1/tasks/${lease.leaseId}/heartbeat`, { leaseMs: null }), 'leaseMs');
+    const reservation = (await api.post('/v1/pools/nulls/reservations', { owner: 'o' })).body;
+    await refused(api.post(`/v1/reservations/${reservation.id}/extend`, { ttlMs: null }), 'ttlMs');
+    // Where the schema says null: a pool without an owner limit, an item without attributes or group.
+    const pool = await api.post('/v1/pools', { name: 'null-limit', kind: 'number', maxHoldsPerOwner: null });
+    expect(pool.status).toBe(201);
+    expect(pool.body.maxHoldsPerOwner).toBeNull();
+    const imported = await api.post('/v1/pools/null-limit/resources', {
+      items: [{ value: '13911110000', attributes: null, groupKey: null }],
+    });
+    expect(imported.status).toBe(201);
+    const [row] = await world.query<{ attributes: unknown; group_key: string | null }>(
+      `SELECT attributes, group_key FROM t_resource WHERE value = '13911110000'`,
+    );
+    expect(row).toEqual({ attributes: {}, group_key: null });
+  });
+
   it('a body nested thousands of levels deep is 400 VALIDATION_FAILED (was a 500: the copy recursed past the stack) and changes nothing', async () => {
     await seedPool(api, 'deep', numbers(2));
     const deep = (depth: number) => '['.repeat(depth) + ']'.repeat(depth);
