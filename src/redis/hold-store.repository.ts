@@ -154,16 +154,16 @@ export const REBUILDING = ' rebuilding:';
 /**
  * A waiter out of its line (KEYS[1], the order) and its place (KEYS[2]) at once: one without the other is passed over.
  * ARGV: 1 the member ("<count> <rid>"), 2 the pool's key base, 3 the line. Items may have been kept for it, while its
- * place was live, from the waiters behind it: if any are left and the pool is waited in (<base>ww), it says so on the
+ * place was live, from the waiters behind it: if there are any and the pool is waited in (<base>ww), it says so on the
  * pool's channel, `left <line> <count>` (WakeUps), for them to try again at once.
  */
 const LEAVE_LINE = `
-local place = redis.call('ZSCORE', KEYS[2], ARGV[1])
+local place, rank = redis.call('ZSCORE', KEYS[2], ARGV[1]), redis.call('ZRANK', KEYS[1], ARGV[1])
 redis.call('ZREM', KEYS[1], ARGV[1])
 redis.call('ZREM', KEYS[2], ARGV[1])
 local t = redis.call('TIME')
-if place and tonumber(place) > tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-  and redis.call('ZCARD', KEYS[1]) > 0 and redis.call('EXISTS', ARGV[2] .. 'ww') == 1 then
+if place and rank and tonumber(place) > tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  and redis.call('ZCARD', KEYS[1]) > rank and redis.call('EXISTS', ARGV[2] .. 'ww') == 1 then
   redis.pcall('PUBLISH', ARGV[2] .. 'freed', 'left ' .. ARGV[3] .. ' ' .. string.match(ARGV[1], '^(%d+) '))
 end
 return 1`;

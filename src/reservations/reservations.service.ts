@@ -153,7 +153,8 @@ export class ReservationsService implements OnModuleDestroy {
   private waiting = 0;
   /**
    * Tries of reserves that wait, numbered as they are sent: they go on one connection, so Redis runs them in this
-   * order, and a try numbered after another saw what that one saw, or later.
+   * order, and a try numbered after another saw what that one saw, or later (but for a script Redis lost, sent again
+   * after its NOSCRIPT: that rare reorder costs a wake-up, never an item).
    */
   private tries = 0;
   /** Waiters first in their line, pausing briefly now (WAIT_MAX_HEADS). */
@@ -284,7 +285,7 @@ export class ReservationsService implements OnModuleDestroy {
         count: waiter.count,
         first: false,
         woken: false,
-        keptAhead: false,
+        keptAhead: (result.waitersAhead ?? 0) > 0,
         tried: firstTry,
         roused: false,
       };
@@ -404,10 +405,11 @@ export class ReservationsService implements OnModuleDestroy {
 
   /**
    * A waiter for `count` items left the line `line` unserved, maybe with items kept for it: the waiters of that line
-   * on this instance whose last try found items kept for waiters ahead are woken, first fit by `count`.
+   * on this instance whose last try found items kept for waiters ahead are woken, first fit by `count`, and so are those
+   * with a try under way (its answer may come after this message, and say so): they try again when it ends.
    */
   private wakeBehind(waiting: Set<Waiter>, line: string, count: number): void {
-    const woken = wakeFirstFit(waiting, count, (w) => w.group === line && w.keptAhead);
+    const woken = wakeFirstFit(waiting, count, (w) => w.group === line && (w.keptAhead || !w.wake));
     if (woken > 0) this.metrics.waitersWoken.inc(woken);
   }
 

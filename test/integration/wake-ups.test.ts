@@ -305,48 +305,74 @@ describe('waiters woken when items come free', () => {
     expect((await big).status).toBe(409);
   });
 
-  it('a waiter that leaves its line with items kept for it wakes the waiters behind it they were kept from', async () => {
-    await seedPool(api, 'leave', numbers(2));
-    await listener.subscribe(freedChannel(world.prefix, 'leave'));
-    const redis = api.app.get<Redis>(REDIS);
-    const holds = api.app.get(HoldStore);
-    const holder = (await reserve('leave', { owner: 'holder', count: 2 })).body;
-    // A waiter whose instance is not one of these (its tries are made by hand): first in line, for 2.
-    const ahead = waiterRequest('leave', 2);
-    expect((await holds.reserve('leave', ahead)).status).toBe('exhausted');
-    const [behind] = await startWaiters('leave', [{ owner: 'behind', count: 2, waitMs: 5_000 }], other);
-    // Its place lasts as long as the line does (the waiter behind keeps the line's keys).
-    const line = `${poolBase(world.prefix, 'leave')}wl:-`;
-    await redis.zadd(line, Date.now() + 60_000, `2 ${ahead.reservationId}`);
-    const otherHolds = other.app.get(HoldStore);
-    const real = otherHolds.reserve.bind(otherHolds);
-    let keptFrom = false;
-    const spy = vi.spyOn(otherHolds, 'reserve').mockImplementation(async (pool, req) => {
-      const result = await real(pool, req);
-      if (pool === 'leave' && result.status === 'exhausted' && result.waitersAhead === 1) keptFrom = true;
-      return result;
+  for (const when of ['pausing', 'trying'] as const) {
+    it(`a waiter that leaves its line with items kept for it wakes the waiters behind it they were kept from (${when === 'pausing' ? 'in their pause' : 'the refusal of their try still on its way'})`, async () => {
+      const pool = `leave-${when}`;
+      await seedPool(api, pool, numbers(2));
+      await listener.subscribe(freedChannel(world.prefix, pool));
+      const redis = api.app.get<Redis>(REDIS);
+      const holds = api.app.get(HoldStore);
+      const holder = (await reserve(pool, { owner: 'holder', count: 2 })).body;
+      // A waiter whose instance is not one of these (its tries are made by hand): first in line, for 2.
+      const ahead = waiterRequest(pool, 2);
+      expect((await holds.reserve(pool, ahead)).status).toBe('exhausted');
+      const [behind] = await startWaiters(pool, [{ owner: 'behind', count: 2, waitMs: 5_000 }], other);
+      // Its place lasts as long as the line does (the waiter behind keeps the line's keys).
+      await redis.zadd(`${poolBase(world.prefix, pool)}wl:-`, Date.now() + 60_000, `2 ${ahead.reservationId}`);
+      const otherHolds = other.app.get(HoldStore);
+      const real = otherHolds.reserve.bind(otherHolds);
+      let keptFrom = false;
+      let from = heard.length;
+      const spy = vi.spyOn(otherHolds, 'reserve').mockImplementation(async (p, req) => {
+        const result = await real(p, req);
+        if (p === pool && result.status === 'exhausted' && result.waitersAhead === 1 && !keptFrom) {
+          keptFrom = true;
+          if (when === 'trying') {
+            // The one ahead leaves after this try ran, and its message arrives before this try's answer.
+            from = heard.length;
+            await holds.leaveLine(pool, ahead);
+            await eventually(async () => published(pool, from).length > 0, 2_000, 5);
+            await sleep(50);
+          }
+        }
+        return result;
+      });
+      try {
+        const before = await woken(other);
+        // 2 come free: the waiter behind is woken, and finds them kept for the one ahead.
+        expect((await api.del(`/v1/reservations/${holder.id}`)).status).toBe(200);
+        await eventually(async () => keptFrom, 2_000, 5);
+        if (when === 'pausing') {
+          from = heard.length;
+          await holds.leaveLine(pool, ahead);
+        }
+        expect((await behind).status).toBe(201);
+        expect(published(pool, from)).toEqual(['left - 2']);
+        // Woken by the free, then by the leave.
+        expect((await woken(other)) - before).toBe(2);
+      } finally {
+        spy.mockRestore();
+      }
     });
-    try {
-      const before = await woken(other);
-      // 2 come free: the waiter behind is woken, and finds them kept for the one ahead.
-      expect((await api.del(`/v1/reservations/${holder.id}`)).status).toBe(200);
-      await eventually(async () => keptFrom, 2_000, 5);
-      const from = heard.length;
-      await holds.leaveLine('leave', ahead);
-      expect((await behind).status).toBe(201);
-      expect(published('leave', from)).toEqual(['left - 2']);
-      expect((await woken(other)) - before).toBe(2);
-    } finally {
-      spy.mockRestore();
-    }
-    // Leaving again (no place), or alone in the line: nothing is said.
-    const alone = waiterRequest('leave', 5);
-    expect((await holds.reserve('leave', alone)).status).toBe('exhausted');
+  }
+
+  it('a waiter leaving its line says nothing when nobody is behind it, or its place was gone', async () => {
+    await seedPool(api, 'leave-quiet', []);
+    await listener.subscribe(freedChannel(world.prefix, 'leave-quiet'));
+    const holds = api.app.get(HoldStore);
+    const [first, last] = [waiterRequest('leave-quiet', 5), waiterRequest('leave-quiet', 5)];
+    for (const w of [first, last]) expect((await holds.reserve('leave-quiet', w)).status).toBe('exhausted');
     const from = heard.length;
-    await holds.leaveLine('leave', ahead);
-    await holds.leaveLine('leave', alone);
-    await sleep(100);
-    expect(published('leave', from)).toEqual([]);
+    // The last (a waiter ahead stays), then the first alone, then the first again (no place).
+    await holds.leaveLine('leave-quiet', last);
+    await holds.leaveLine('leave-quiet', first);
+    await holds.leaveLine('leave-quiet', first);
+    // A leave that has someone behind it is heard (and so would these be, by now).
+    const [one, two] = [waiterRequest('leave-quiet', 3), waiterRequest('leave-quiet', 5)];
+    for (const w of [one, two]) expect((await holds.reserve('leave-quiet', w)).status).toBe('exhausted');
+    await holds.leaveLine('leave-quiet', one);
+    await eventually(async () => published('leave-quiet', from).includes('left - 3'), 2_000, 5);
+    expect(published('leave-quiet', from)).toEqual(['left - 3']);
   });
 
   it('only the waiters whose filter an item that came free matches are woken', async () => {
@@ -400,6 +426,37 @@ describe('waiters woken when items come free', () => {
     const answers = await Promise.all(waiters);
     expect(answers.filter((a) => a.status === 201)).toHaveLength(1);
     expect((await woken(api)) - before).toBe(64);
+  });
+
+  it('a waiter woken again before its next try is counted once: the second wake-up changes nothing', async () => {
+    await seedPool(api, 'twice', numbers(1));
+    await reserve('twice', { owner: 'holder', count: 1 });
+    const holds = api.app.get(HoldStore);
+    const real = holds.reserve.bind(holds);
+    const publisher = api.app.get<Redis>(REDIS);
+    let sent = false;
+    const spy = vi.spyOn(holds, 'reserve').mockImplementation(async (pool, req) => {
+      const result = await real(pool, req);
+      if (pool === 'twice' && !sent && api.app.get(WakeUps).live('twice')) {
+        // Two messages arrive during one try (items that are not in the pool: the try they cause finds nothing).
+        sent = true;
+        const from = heard.length;
+        await listener.subscribe(freedChannel(world.prefix, 'twice'));
+        for (const v of ['13899999998', '13899999999'])
+          await publisher.publish(freedChannel(world.prefix, 'twice'), JSON.stringify([{ v }]));
+        await eventually(async () => published('twice', from).length === 2, 2_000, 5);
+        await sleep(50);
+      }
+      return result;
+    });
+    try {
+      const before = await woken(api);
+      expect((await reserve('twice', { owner: 'waiter', count: 1, waitMs: 1_500 })).status).toBe(409);
+      expect(sent).toBe(true);
+      expect((await woken(api)) - before).toBe(1);
+    } finally {
+      spy.mockRestore();
+    }
   });
 
   it('a waiter woken during a try tries again as soon as that try ends', async () => {
