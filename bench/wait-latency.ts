@@ -14,8 +14,15 @@
  * that serves it, the new waiter's first try, every try in vain meanwhile, and the few sweeps of both services (only
  * the service measured has waiters then).
  *
+ * `--behind`: a waiter behind a larger one, served by an item that comes free together with one free before. A waiter
+ * for 100 (never served) is first in line, the WAITERS waiters behind it want 2 each, and each sample first releases
+ * one item (nobody can be served: 1 free), then, 20-60 ms later, the one measured (2 free: the first waiter for 2 is
+ * served; a free of 1 item alone wakes only the waiter for 100, whose try finds 2 free it cannot use). The waiters
+ * served keep their items.
+ *
  *   npm run bench:wait              # 3 rounds of 150 samples a service, about 1 minute
  *   npm run bench:wait -- --quick   # 1 round of 50
+ *   npm run bench:wait -- --behind  # 3 rounds of 80 samples a service (a round stays within a waiter's 30 s)
  */
 import { ChildProcess, spawn } from 'node:child_process';
 import pg from 'pg';
@@ -24,9 +31,13 @@ import { deleteKeys, freePort, serviceArgs } from '../test/support/services.js';
 import { benchServiceEnv, client, waitHttp } from './load.js';
 
 const QUICK = process.argv.includes('--quick');
+const BEHIND = process.argv.includes('--behind');
 const ROUNDS = QUICK ? 1 : 3;
-const SAMPLES = QUICK ? 50 : 150;
+const SAMPLES = QUICK ? 50 : BEHIND ? 80 : 150;
 const WAITERS = 8;
+/** How many items a waiter wants: 2 behind the waiter for BIG (--behind), else 1. */
+const WANTS = BEHIND ? 2 : 1;
+const BIG = 100;
 const PG_ADMIN = 'postgres://postgres@127.0.0.1:5432/postgres';
 const DB = 'respool_bench_wait';
 const DB_URL = `postgres://postgres@127.0.0.1:5432/${DB}`;
@@ -83,7 +94,10 @@ async function main(): Promise<void> {
       // The first service creates the database; the second waits for its migrations (it started after).
       const created = await call('POST', '/v1/pools', { name: pool, kind: 'number', holdTtlMs: 600_000, maxHoldTtlMs: 600_000 });
       if (created.status !== 201) throw new Error(`pool ${pool}: ${created.status} ${JSON.stringify(created.body)}`);
-      const items = Array.from({ length: WAITERS * 2 }, (_, i) => ({ value: `${pool}-${i}` }));
+      // --behind: 2 items a sample and 2 a waiter served at a round's end, kept by the waiters served.
+      const items = Array.from({ length: BEHIND ? ROUNDS * (SAMPLES + WAITERS) * 2 + WAITERS : WAITERS * 2 }, (_, i) => ({
+        value: `${pool}-${i}`,
+      }));
       const imported = await call('POST', `/v1/pools/${pool}/resources`, { items });
       if (imported.status !== 201) throw new Error(`import ${pool}: ${imported.status}`);
       const held: string[] = [];
@@ -96,7 +110,7 @@ async function main(): Promise<void> {
     }
 
     const startWaiter = (s: Service) => {
-      const answer = s.call('POST', `/v1/pools/${s.pool}/reservations`, { owner: 'waiter', count: 1, waitMs: 30_000 }) as Promise<{
+      const answer = s.call('POST', `/v1/pools/${s.pool}/reservations`, { owner: 'waiter', count: WANTS, waitMs: 30_000 }) as Promise<{
         status: number;
         body: { id?: string };
       }>;
@@ -113,11 +127,21 @@ async function main(): Promise<void> {
     for (let round = 1; round <= ROUNDS; round++) {
       // Each round in the other order, so that neither is always measured first.
       for (const s of round % 2 ? services : [...services].reverse()) {
+        if (BEHIND) {
+          // First in line (it waits 30 s, a round's length at most; one left from the round before is ahead of it).
+          void s.call('POST', `/v1/pools/${s.pool}/reservations`, { owner: 'big', count: BIG, waitMs: 30_000 }).catch(() => undefined);
+          await sleep(200);
+        }
         while (s.waiting.size < WAITERS) startWaiter(s);
         await sleep(1_000); // the waiters' backoff reaches its longest pause
         const scriptsBefore = await evalshaCalls(redis);
         const started = Date.now();
         for (let i = 0; i < SAMPLES; i++) {
+          if (BEHIND) {
+            // 1 free: too few for any waiter.
+            const first = await s.call('DELETE', `/v1/reservations/${s.held.shift()}`);
+            if (first.status !== 200) throw new Error(`release: ${first.status}`);
+          }
           await sleep(20 + Math.random() * 40);
           const at = performance.now();
           const released = await s.call('DELETE', `/v1/reservations/${s.held.shift()}`);
@@ -126,7 +150,7 @@ async function main(): Promise<void> {
           const latency = performance.now() - at;
           if (served.status !== 201 || !served.body.id) throw new Error(`waiter: ${served.status} ${JSON.stringify(served.body)}`);
           s.latencies.push(latency);
-          s.held.push(served.body.id);
+          if (!BEHIND) s.held.push(served.body.id);
           startWaiter(s);
         }
         const seconds = (Date.now() - started) / 1000;
@@ -134,11 +158,13 @@ async function main(): Promise<void> {
         say(`round ${round}, ${s.label}: ${SAMPLES} samples in ${seconds.toFixed(1)} s`);
         // Every waiter served, so that only the next service's waiters run scripts while it is measured.
         while (s.waiting.size > 0) {
-          const released = await s.call('DELETE', `/v1/reservations/${s.held.shift()}`);
-          if (released.status !== 200) throw new Error(`release: ${released.status}`);
+          for (let n = 0; n < WANTS; n++) {
+            const released = await s.call('DELETE', `/v1/reservations/${s.held.shift()}`);
+            if (released.status !== 200) throw new Error(`release: ${released.status}`);
+          }
           const served = await Promise.race(s.waiting);
           if (served.status !== 201 || !served.body.id) throw new Error(`waiter: ${served.status}`);
-          s.held.push(served.body.id);
+          if (!BEHIND) s.held.push(served.body.id);
         }
       }
     }
@@ -149,8 +175,14 @@ async function main(): Promise<void> {
       return { s, p50: percentile(sorted, 50), p90: percentile(sorted, 90), p99: percentile(sorted, 99), scripts };
     });
     const [woken, polling] = rows;
-    console.log(`\nA waiter's wait for an item that comes free (${ROUNDS * SAMPLES} samples each, ${WAITERS} waiters)\n`);
-    console.log('| service | p50 ms | p90 ms | p99 ms | Redis scripts an item handed over (median of rounds) |');
+    console.log(
+      BEHIND
+        ? `\nA waiter's wait for 2 items, one free before and one that comes free, behind a waiter for ${BIG} (${ROUNDS * SAMPLES} samples each, ${WAITERS} waiters)\n`
+        : `\nA waiter's wait for an item that comes free (${ROUNDS * SAMPLES} samples each, ${WAITERS} waiters)\n`,
+    );
+    console.log(
+      `| service | p50 ms | p90 ms | p99 ms | Redis scripts ${BEHIND ? 'a waiter served' : 'an item handed over'} (median of rounds) |`,
+    );
     console.log('| --- | ---: | ---: | ---: | ---: |');
     for (const r of rows) {
       console.log(`| ${r.s.label} | ${r.p50.toFixed(1)} | ${r.p90.toFixed(1)} | ${r.p99.toFixed(1)} | ${r.scripts.toFixed(1)} |`);

@@ -293,16 +293,32 @@ describe('waiters woken when items come free', () => {
     // 2 free, 1 held: the release frees 1, which alone serves neither waiter; the first is woken whatever its count.
     await seedPool(api, 'behind', numbers(3));
     const holder = (await reserve('behind', { owner: 'holder', count: 1 })).body;
-    const before = await woken(api);
-    const [big, small] = await startWaiters('behind', [
-      { owner: 'big', count: 5, waitMs: 2_000 },
-      { owner: 'small', count: 3, waitMs: 2_000 },
-    ]);
-    expect((await api.del(`/v1/reservations/${holder.id}`)).status).toBe(200);
-    expect((await small).status).toBe(201);
-    // The first by the message; the one behind it by the first's try, which found 3 free that it left.
-    expect((await woken(api)) - before).toBeGreaterThanOrEqual(2);
-    expect((await big).status).toBe(409);
+    const holds = api.app.get(HoldStore);
+    const real = holds.reserve.bind(holds);
+    let smallTries = 0;
+    const spy = vi.spyOn(holds, 'reserve').mockImplementation(async (pool, req) => {
+      const result = await real(pool, req);
+      if (pool === 'behind' && req.count === 3) smallTries++;
+      return result;
+    });
+    try {
+      const before = await woken(api);
+      const [big, small] = await startWaiters('behind', [
+        { owner: 'big', count: 5, waitMs: 3_000 },
+        { owner: 'small', count: 3, waitMs: 3_000 },
+      ]);
+      // Once the small one's backoff is long, just after one of its tries: it would not try again for 250 ms or more.
+      await sleep(900);
+      const seen = smallTries;
+      await eventually(async () => smallTries > seen, 2_000, 1);
+      expect((await api.del(`/v1/reservations/${holder.id}`)).status).toBe(200);
+      expect((await small).status).toBe(201);
+      // The first by the message; the one behind it by the first's try, which found 3 free that it left.
+      expect((await woken(api)) - before).toBeGreaterThanOrEqual(2);
+      expect((await big).status).toBe(409);
+    } finally {
+      spy.mockRestore();
+    }
   });
 
   for (const when of ['pausing', 'trying'] as const) {
@@ -339,7 +355,9 @@ describe('waiters woken when items come free', () => {
       });
       try {
         const before = await woken(other);
-        // 2 come free: the waiter behind is woken, and finds them kept for the one ahead.
+        // Once its backoff is long (its next try 250 ms or more after the one the free wakes), 2 come free: the waiter
+        // behind is woken, and finds them kept for the one ahead.
+        await sleep(900);
         expect((await api.del(`/v1/reservations/${holder.id}`)).status).toBe(200);
         await eventually(async () => keptFrom, 2_000, 5);
         if (when === 'pausing') {
