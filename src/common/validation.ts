@@ -88,6 +88,31 @@ export function nestedDeeperThan(value: unknown, limit: number): boolean {
   return false;
 }
 
+/**
+ * A request's path parameters and body, linked (linkRequestParts) so that a request bad in both is refused once with
+ * the bad fields of both: Nest runs the pipes of a handler's arguments one after the other, synchronously, in the
+ * order of the arguments, and answers with the first error thrown; a later pipe of the same request adds its fields to
+ * that error (`refuse`) before anything reads it.
+ */
+const requestParts = new WeakMap<object, { refused?: DomainError }>();
+
+/** Links a request's path parameters and body (both objects; a missing body is taken as `{}`), before its pipes run. */
+export function linkRequestParts(params: unknown, body: unknown): void {
+  if (params === null || typeof params !== 'object' || body === null || typeof body !== 'object') return;
+  const link = {};
+  requestParts.set(params, link);
+  requestParts.set(body, link);
+}
+
+/** The error refusing `value` (a request's part) for `fields`: the one refusing another part of its request, if any. */
+function refuse(value: unknown, fields: FieldError[]): DomainError {
+  const link = value !== null && typeof value === 'object' ? requestParts.get(value) : undefined;
+  if (!link) return DomainError.validation(fields);
+  if (!link.refused) return (link.refused = DomainError.validation(fields));
+  (link.refused.details as { fields: FieldError[] }).fields.push(...fields);
+  return link.refused;
+}
+
 export const VALIDATOR_OPTIONS: ValidatorOptions = { whitelist: true, forbidNonWhitelisted: true, forbidUnknownValues: true };
 const UNVALIDATED = new Set<unknown>([String, Number, Boolean, Array, Object]);
 
@@ -109,12 +134,10 @@ export class DtoValidationPipe implements PipeTransform {
     if (type === 'custom' || !metatype || UNVALIDATED.has(metatype)) return value;
     const plain = value ?? {};
     if (typeof plain !== 'object' || Array.isArray(plain)) {
-      throw DomainError.validation([{ field: type, reason: `the ${type} must be a JSON object` }]);
+      throw refuse(value, [{ field: type, reason: `the ${type} must be a JSON object` }]);
     }
     if (nestedDeeperThan(plain, MAX_BODY_DEPTH)) {
-      throw DomainError.validation([
-        { field: type, reason: `the ${type} nests objects or arrays more than ${MAX_BODY_DEPTH} levels deep` },
-      ]);
+      throw refuse(value, [{ field: type, reason: `the ${type} nests objects or arrays more than ${MAX_BODY_DEPTH} levels deep` }]);
     }
     const cls = metatype as DtoClass;
     const dto = compileDto(cls);
@@ -124,7 +147,7 @@ export class DtoValidationPipe implements PipeTransform {
     if (malformed.length === 0 && skipped.length === 0 && dto?.passes(instance)) return instance;
     const unknown = skipped.map((field) => ({ field, reason: `property ${field.slice(field.lastIndexOf('.') + 1)} should not exist` }));
     const errors = [...flattenValidationErrors(validateSync(instance, VALIDATOR_OPTIONS)), ...unknown, ...malformed];
-    if (errors.length > 0) throw DomainError.validation(errors);
+    if (errors.length > 0) throw refuse(value, errors);
     return instance;
   }
 }
@@ -138,10 +161,14 @@ export class NoBodyPipe implements PipeTransform {
   transform(value: unknown): undefined {
     if (value === undefined || value === null) return undefined;
     if (typeof value !== 'object' || Array.isArray(value)) {
-      throw DomainError.validation([{ field: 'body', reason: 'this route takes no body (or {})' }]);
+      throw refuse(value, [{ field: 'body', reason: 'this route takes no body (or {})' }]);
     }
     const fields = Object.keys(value);
-    if (fields.length > 0) throw DomainError.validation(fields.map((field) => ({ field, reason: `property ${field} should not exist` })));
+    if (fields.length > 0)
+      throw refuse(
+        value,
+        fields.map((field) => ({ field, reason: `property ${field} should not exist` })),
+      );
     return undefined;
   }
 }

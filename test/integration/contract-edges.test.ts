@@ -76,6 +76,32 @@ describe('API.md edges', () => {
     expect(row).toEqual({ attributes: {}, group_key: null });
   });
 
+  it('a request bad in its path and in its body is refused once, listing the bad fields of both, and changes nothing', async () => {
+    await seedPool(api, 'both-bad', numbers(2));
+    const fieldsOf = async (
+      answer: Promise<{ status: number; body: { error: { code: string; details: { fields: { field: string }[] } } } }>,
+    ) => {
+      const { status, body } = await answer;
+      expect(status).toBe(400);
+      expect(body.error.code).toBe('VALIDATION_FAILED');
+      return body.error.details.fields.map((f) => f.field).sort();
+    };
+    expect(await fieldsOf(api.post('/v1/pools/BAD/reservations', { owner: '', count: 0 }))).toEqual(['count', 'owner', 'pool']);
+    // No body at all: its required fields are missing.
+    expect(await fieldsOf(api.request('POST', '/v1/pools/BAD/reservations'))).toEqual(['owner', 'pool']);
+    expect(await fieldsOf(api.post('/v1/reservations/not-an-id/extend', { ttlMs: 5 }))).toEqual(['id', 'ttlMs']);
+    expect(await fieldsOf(api.post('/v1/reservations/not-an-id/confirm', { resourceIds: [], bogus: 1 }))).toEqual([
+      'bogus',
+      'id',
+      'resourceIds',
+    ]);
+    expect(await fieldsOf(api.post('/v1/tasks/not-an-id/complete', { bogus: 1 }))).toEqual(['bogus', 'leaseId']);
+    expect(await fieldsOf(api.post('/v1/pools/both-bad/resources', { items: [{ value: '' }] }))).toEqual(['items.0.value']);
+    // One part bad: only its fields, as before.
+    expect(await fieldsOf(api.post('/v1/pools/BAD/reservations', { owner: 'o' }))).toEqual(['pool']);
+    expect((await api.get('/v1/pools/both-bad')).body.stats).toEqual({ total: 2, free: 2, held: 0, allocated: 0 });
+  });
+
   it('a body nested thousands of levels deep is 400 VALIDATION_FAILED (was a 500: the copy recursed past the stack) and changes nothing', async () => {
     await seedPool(api, 'deep', numbers(2));
     const deep = (depth: number) => '['.repeat(depth) + ']'.repeat(depth);
