@@ -99,9 +99,16 @@ const requestParts = new WeakMap<object, { refused?: DomainError }>();
 /** Links a request's path parameters and body (both objects; a missing body is taken as `{}`), before its pipes run. */
 export function linkRequestParts(params: unknown, body: unknown): void {
   if (params === null || typeof params !== 'object' || body === null || typeof body !== 'object') return;
+  // A route without path parameters has nothing to link (and its params object may be one shared by every request).
+  if (!hasOwnKey(params)) return;
   const link = {};
   requestParts.set(params, link);
   requestParts.set(body, link);
+}
+
+function hasOwnKey(value: object): boolean {
+  for (const key in value) if (Object.hasOwn(value, key)) return true;
+  return false;
 }
 
 /** The error refusing `value` (a request's part) for `fields`: the one refusing another part of its request, if any. */
