@@ -8,7 +8,7 @@ import type { IncomingMessage } from 'node:http';
 import type { Redis } from 'ioredis';
 import { AppModule } from './app.module.js';
 import { API_KEY_SCHEME, RouteRoles, authorize, parseApiKeys } from './common/auth.js';
-import { createValidationPipe, linkRequestParts } from './common/validation.js';
+import { createValidationPipe, linkableBody, linkRequestParts } from './common/validation.js';
 import { addValidationLimits } from './common/openapi-limits.js';
 import { addBodyLimitResponses } from './common/api-errors.decorator.js';
 import { createPino, PinoLoggerService } from './common/logger.js';
@@ -157,10 +157,10 @@ export async function createApp(config: AppConfig, options: { logger?: boolean }
     }
   });
   // Once the body is read: the path parameters and the body are validated apart, by one pipe each; linked, a request
-  // bad in both is refused listing the bad fields of both (API.md: `details.fields` lists each bad field). A missing
-  // body is an empty one to every pipe, so `{}` stands for it. A callback hook: no promise on the hot path.
+  // bad in both is refused listing the bad fields of both (API.md: `details.fields` lists each bad field). A body that
+  // is not an object is put in one to be linked (linkableBody). A callback hook: no promise on the hot path.
   fastify.addHook('preHandler', (req: FastifyRequest, _reply: FastifyReply, done: () => void) => {
-    if (req.body === undefined) req.body = {};
+    if (req.body === null || typeof req.body !== 'object') req.body = linkableBody(req.body);
     linkRequestParts(req.params, req.body);
     done();
   });

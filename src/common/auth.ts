@@ -53,7 +53,12 @@ export function Roles(...roles: Role[]): MethodDecorator {
     ApiBearerAuth(),
     ApiSecurity(API_KEY_SCHEME),
     ApiExtraModels(ErrorResponseDto),
-    ApiResponse({ status: 401, description: 'UNAUTHENTICATED (only when API_KEYS is set): no valid key was sent', schema: error }),
+    ApiResponse({
+      status: 401,
+      description: 'UNAUTHENTICATED (only when API_KEYS is set): no valid key was sent',
+      schema: error,
+      headers: { 'WWW-Authenticate': { description: 'The scheme a key is sent with: Bearer realm="respool"', schema: { type: 'string' } } },
+    }),
     ApiResponse({
       status: 403,
       description:

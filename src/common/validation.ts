@@ -90,13 +90,29 @@ export function nestedDeeperThan(value: unknown, limit: number): boolean {
 
 /**
  * A request's path parameters and body, linked (linkRequestParts) so that a request bad in both is refused once with
- * the bad fields of both: Nest runs the pipes of a handler's arguments one after the other, synchronously, in the
- * order of the arguments, and answers with the first error thrown; a later pipe of the same request adds its fields to
- * that error (`refuse`) before anything reads it.
+ * the bad fields of both, the path's first. Nest starts the pipes of a handler's arguments one after the other (in the
+ * order of its argument metadata, the body's before the path's on some routes), the first pipe of each synchronously,
+ * and answers with the first error thrown; the pipe that refuses later adds its fields to that error (`refuse`), which
+ * Nest writes out only after every pipe has run (a pipe later still would make the answer list fewer fields, no
+ * other harm).
  */
 const requestParts = new WeakMap<object, { refused?: DomainError }>();
 
-/** Links a request's path parameters and body (both objects; a missing body is taken as `{}`), before its pipes run. */
+/** A body that is not a JSON object or array (a number, a string, `true`), in an object that can be linked. */
+export class NotAnObject {
+  constructor(readonly value: unknown) {}
+}
+
+/**
+ * What a request's pipes see as its body, linkable to its path parameters: `{}` for none or `null` (as the pipes take
+ * them), a NotAnObject for a number, a string or a boolean; the body itself otherwise.
+ */
+export function linkableBody(body: unknown): unknown {
+  if (body === undefined || body === null) return {};
+  return typeof body === 'object' ? body : new NotAnObject(body);
+}
+
+/** Links a request's path parameters and body (linkableBody), before its pipes run. */
 export function linkRequestParts(params: unknown, body: unknown): void {
   if (params === null || typeof params !== 'object' || body === null || typeof body !== 'object') return;
   // A route without path parameters has nothing to link (and its params object may be one shared by every request).
@@ -111,12 +127,17 @@ function hasOwnKey(value: object): boolean {
   return false;
 }
 
-/** The error refusing `value` (a request's part) for `fields`: the one refusing another part of its request, if any. */
-function refuse(value: unknown, fields: FieldError[]): DomainError {
+/**
+ * The error refusing `value` (a request's part: `type` "param" for its path) for `fields`: the one refusing another part
+ * of its request, if any, with these fields added (a path's first).
+ */
+function refuse(value: unknown, fields: FieldError[], type: string): DomainError {
   const link = value !== null && typeof value === 'object' ? requestParts.get(value) : undefined;
   if (!link) return DomainError.validation(fields);
   if (!link.refused) return (link.refused = DomainError.validation(fields));
-  (link.refused.details as { fields: FieldError[] }).fields.push(...fields);
+  const details = link.refused.details as { fields: FieldError[] };
+  // concat, not push(...fields): a body may name hundreds of thousands of unknown fields.
+  details.fields = type === 'param' ? fields.concat(details.fields) : details.fields.concat(fields);
   return link.refused;
 }
 
@@ -140,11 +161,11 @@ export class DtoValidationPipe implements PipeTransform {
   transform(value: unknown, { metatype, type }: ArgumentMetadata): unknown {
     if (type === 'custom' || !metatype || UNVALIDATED.has(metatype)) return value;
     const plain = value ?? {};
-    if (typeof plain !== 'object' || Array.isArray(plain)) {
-      throw refuse(value, [{ field: type, reason: `the ${type} must be a JSON object` }]);
+    if (typeof plain !== 'object' || Array.isArray(plain) || plain instanceof NotAnObject) {
+      throw refuse(value, [{ field: type, reason: `the ${type} must be a JSON object` }], type);
     }
     if (nestedDeeperThan(plain, MAX_BODY_DEPTH)) {
-      throw refuse(value, [{ field: type, reason: `the ${type} nests objects or arrays more than ${MAX_BODY_DEPTH} levels deep` }]);
+      throw refuse(value, [{ field: type, reason: `the ${type} nests objects or arrays more than ${MAX_BODY_DEPTH} levels deep` }], type);
     }
     const cls = metatype as DtoClass;
     const dto = compileDto(cls);
@@ -154,7 +175,7 @@ export class DtoValidationPipe implements PipeTransform {
     if (malformed.length === 0 && skipped.length === 0 && dto?.passes(instance)) return instance;
     const unknown = skipped.map((field) => ({ field, reason: `property ${field.slice(field.lastIndexOf('.') + 1)} should not exist` }));
     const errors = [...flattenValidationErrors(validateSync(instance, VALIDATOR_OPTIONS)), ...unknown, ...malformed];
-    if (errors.length > 0) throw refuse(value, errors);
+    if (errors.length > 0) throw refuse(value, errors, type);
     return instance;
   }
 }
@@ -167,14 +188,15 @@ export class DtoValidationPipe implements PipeTransform {
 export class NoBodyPipe implements PipeTransform {
   transform(value: unknown): undefined {
     if (value === undefined || value === null) return undefined;
-    if (typeof value !== 'object' || Array.isArray(value)) {
-      throw refuse(value, [{ field: 'body', reason: 'this route takes no body (or {})' }]);
+    if (typeof value !== 'object' || Array.isArray(value) || value instanceof NotAnObject) {
+      throw refuse(value, [{ field: 'body', reason: 'this route takes no body (or {})' }], 'body');
     }
     const fields = Object.keys(value);
     if (fields.length > 0)
       throw refuse(
         value,
         fields.map((field) => ({ field, reason: `property ${field} should not exist` })),
+        'body',
       );
     return undefined;
   }

@@ -151,6 +151,7 @@ describe('API keys', () => {
         calls++;
         expect(operation.security, path).toEqual(expect.arrayContaining([{ bearer: [] }, { apiKey: [] }]));
         expect(Object.keys(operation.responses), path).toEqual(expect.arrayContaining(['401', '403']));
+        expect((operation.responses['401'] as { headers?: object }).headers, path).toHaveProperty(['WWW-Authenticate']);
       }
     }
     expect(calls).toBe(15);

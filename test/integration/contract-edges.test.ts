@@ -76,29 +76,53 @@ describe('API.md edges', () => {
     expect(row).toEqual({ attributes: {}, group_key: null });
   });
 
-  it('a request bad in its path and in its body is refused once, listing the bad fields of both, and changes nothing', async () => {
+  it('a request bad in its path and in its body is refused once, listing the bad fields of both (the path first), and changes nothing', async () => {
     await seedPool(api, 'both-bad', numbers(2));
+    /** The fields an answer lists: the first, then all of them sorted. */
     const fieldsOf = async (
       answer: Promise<{ status: number; body: { error: { code: string; details: { fields: { field: string }[] } } } }>,
     ) => {
       const { status, body } = await answer;
       expect(status).toBe(400);
       expect(body.error.code).toBe('VALIDATION_FAILED');
-      return body.error.details.fields.map((f) => f.field).sort();
+      const fields = body.error.details.fields.map((f) => f.field);
+      return [fields[0], fields.sort()];
     };
-    expect(await fieldsOf(api.post('/v1/pools/BAD/reservations', { owner: '', count: 0 }))).toEqual(['count', 'owner', 'pool']);
-    // No body at all: its required fields are missing.
-    expect(await fieldsOf(api.request('POST', '/v1/pools/BAD/reservations'))).toEqual(['owner', 'pool']);
-    expect(await fieldsOf(api.post('/v1/reservations/not-an-id/extend', { ttlMs: 5 }))).toEqual(['id', 'ttlMs']);
-    expect(await fieldsOf(api.post('/v1/reservations/not-an-id/confirm', { resourceIds: [], bogus: 1 }))).toEqual([
-      'bogus',
-      'id',
-      'resourceIds',
+    expect(await fieldsOf(api.post('/v1/pools/BAD/reservations', { owner: '', count: 0 }))).toEqual(['pool', ['count', 'owner', 'pool']]);
+    // No body at all, or null: its required fields are missing.
+    expect(await fieldsOf(api.request('POST', '/v1/pools/BAD/reservations'))).toEqual(['pool', ['owner', 'pool']]);
+    expect(await fieldsOf(api.request('POST', '/v1/pools/BAD/reservations', null))).toEqual(['pool', ['owner', 'pool']]);
+    // A body that is not an object: the body itself.
+    for (const body of ['5', '"x"', 'true']) {
+      expect(await fieldsOf(api.request('POST', '/v1/pools/BAD/reservations', body, { 'content-type': 'application/json' }))).toEqual([
+        'pool',
+        ['body', 'pool'],
+      ]);
+    }
+    expect(await fieldsOf(api.request('POST', '/v1/pools/BAD/reservations', 'hello', { 'content-type': 'text/plain' }))).toEqual([
+      'pool',
+      ['body', 'pool'],
     ]);
-    expect(await fieldsOf(api.post('/v1/tasks/not-an-id/complete', { bogus: 1 }))).toEqual(['bogus', 'leaseId']);
-    expect(await fieldsOf(api.post('/v1/pools/both-bad/resources', { items: [{ value: '' }] }))).toEqual(['items.0.value']);
+    expect(await fieldsOf(api.post('/v1/reservations/not-an-id/extend', { ttlMs: 5 }))).toEqual(['id', ['id', 'ttlMs']]);
+    expect(await fieldsOf(api.post('/v1/reservations/not-an-id/confirm', { resourceIds: [], bogus: 1 }))).toEqual([
+      'id',
+      ['bogus', 'id', 'resourceIds'],
+    ]);
+    expect(await fieldsOf(api.post('/v1/tasks/not-an-id/complete', { bogus: 1 }))).toEqual(['leaseId', ['bogus', 'leaseId']]);
+    expect(await fieldsOf(api.request('DELETE', '/v1/reservations/not-an-id', 7))).toEqual(['id', ['body', 'id']]);
+    // A body naming a great many unknown fields, on a route that takes none: a 400 listing them all (was a 500: the
+    // fields were added to the path's refusal as the arguments of one call).
+    const many = Object.fromEntries(Array.from({ length: 200_000 }, (_, i) => [`f${i}`, 1]));
+    const answer = await api.request('DELETE', '/v1/reservations/not-an-id', many);
+    expect(answer.status).toBe(400);
+    expect(answer.body.error.details.fields).toHaveLength(200_001);
+    expect(answer.body.error.details.fields[0].field).toBe('id');
     // One part bad: only its fields, as before.
-    expect(await fieldsOf(api.post('/v1/pools/BAD/reservations', { owner: 'o' }))).toEqual(['pool']);
+    expect(await fieldsOf(api.post('/v1/pools/BAD/reservations', { owner: 'o' }))).toEqual(['pool', ['pool']]);
+    expect(await fieldsOf(api.post('/v1/pools/both-bad/resources', { items: [{ value: '' }] }))).toEqual([
+      'items.0.value',
+      ['items.0.value'],
+    ]);
     expect((await api.get('/v1/pools/both-bad')).body.stats).toEqual({ total: 2, free: 2, held: 0, allocated: 0 });
   });
 
