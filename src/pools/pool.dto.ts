@@ -127,7 +127,7 @@ export class ImportItemDto {
 
   @ApiPropertyOptional({
     description:
-      'Flat object of string values (at most 32, keys of 1 to 64 characters), usable in reservation filters; null or left ' + 'out: none',
+      'Flat object of string values (at most 32, keys of 1 to 64 characters), usable in reservation filters; null or left out: none',
     type: 'object',
     additionalProperties: { type: 'string' },
     nullable: true,

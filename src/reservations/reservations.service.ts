@@ -32,12 +32,12 @@ export const IDEMPOTENCY_KEY = /^[\x21-\x7e]{1,255}$/;
  * they could serve, first fit (`passOn`). A waiter that leaves its line unserved, its place live, tells the pool's
  * instances (HoldStore.leaveLine): each wakes its waiters of that line whose last try found items kept for waiters
  * ahead, first fit by the count of the one that left (`wakeBehind`). A waiter is not woken by one ahead that
- * stopped trying (its place lapses), nor while this instance is not subscribed: then it finds out on its next try. While wake-ups are not live
- * (the connection down, or the subscription not confirmed yet), the first waiter in line, told it has no live waiter
- * ahead, pauses at most WAIT_HEAD_PAUSE_MS (to 1.5 times it) whatever its backoff, so that it tries again within
- * 75 ms of their return; at most WAIT_MAX_HEADS waiters an instance pause so briefly (a client may make every waiter
- * the first of a line of its own, a filter each), the others keep their backoff. When the connection is lost, those
- * first in line are woken to start doing so.
+ * stopped trying (its place lapses), nor while this instance is not subscribed: then it finds out on its next try.
+ * While wake-ups are not live (the connection down, or the subscription not confirmed yet), the first waiter in line,
+ * told it has no live waiter ahead, pauses at most WAIT_HEAD_PAUSE_MS (to 1.5 times it) whatever its backoff, so that
+ * it tries again within 75 ms of their return; at most WAIT_MAX_HEADS waiters an instance pause so briefly (a client
+ * may make every waiter the first of a line of its own, a filter each), the others keep their backoff. When the
+ * connection is lost, those first in line are woken to start doing so.
  */
 export const WAIT_FIRST_PAUSE_MS = 25;
 export const WAIT_MAX_PAUSE_MS = 250;
