@@ -131,7 +131,20 @@ export interface SweepResult {
 }
 
 const SCRIPT_DIR = new URL('./scripts/', import.meta.url);
-const SCRIPTS = ['reserve', 'read', 'pin', 'unpin', 'finish', 'release', 'extend', 'sweep', 'abort', 'add_free', 'set_generation'] as const;
+const SCRIPTS = [
+  'reserve',
+  'read',
+  'pin',
+  'unpin',
+  'finish',
+  'release',
+  'extend',
+  'sweep',
+  'abort',
+  'add_free',
+  'set_generation',
+  'leave',
+] as const;
 type ScriptName = (typeof SCRIPTS)[number];
 type ScriptCall = (key: string, ...args: (string | number)[]) => Promise<unknown>;
 
@@ -151,22 +164,6 @@ const REBUILD_RUN_KEY_MS = 24 * 3600_000;
 const MAX_PENDING_UNDOS = 10_000;
 /** In the marker's value while a rebuild round runs: `<generation> rebuilding:<run>`. */
 export const REBUILDING = ' rebuilding:';
-/**
- * A waiter out of its line (KEYS[1], the order) and its place (KEYS[2]) at once: one without the other is passed over.
- * ARGV: 1 the member ("<count> <rid>"), 2 the pool's key base, 3 the line. Items may have been kept for it, while its
- * place was live, from the waiters behind it: if there are any and the pool is waited in (<base>ww), it says so on the
- * pool's channel, `left <line> <count>` (WakeUps), for them to try again at once.
- */
-const LEAVE_LINE = `
-local place, rank = redis.call('ZSCORE', KEYS[2], ARGV[1]), redis.call('ZRANK', KEYS[1], ARGV[1])
-redis.call('ZREM', KEYS[1], ARGV[1])
-redis.call('ZREM', KEYS[2], ARGV[1])
-local t = redis.call('TIME')
-if place and rank and tonumber(place) > tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-  and redis.call('ZCARD', KEYS[1]) > rank and redis.call('EXISTS', ARGV[2] .. 'ww') == 1 then
-  redis.pcall('PUBLISH', ARGV[2] .. 'freed', 'left ' .. ARGV[3] .. ' ' .. string.match(ARGV[1], '^(%d+) '))
-end
-return 1`;
 /** The marker set to ARGV[2] only over ARGV[1] (Redis 7.0 has no SET ... IFEQ). */
 const MARK_REBUILT = `if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('SET', KEYS[1], ARGV[2]) return 1 end return 0`;
 /** addFree adds nothing from a Postgres read older than this (Redis' clock), well inside a tombstone's life. */
@@ -447,12 +444,7 @@ export class HoldStore implements OnApplicationShutdown {
   async leaveLine(pool: string, req: ReserveRequest): Promise<void> {
     const line = waitingLine(req);
     if (!req.waits || line === '') return;
-    const base = poolBase(this.prefix, pool);
-    const member = `${req.count} ${req.reservationId}`;
-    const leave = withTimeout(
-      this.redis.eval(LEAVE_LINE, 2, `${base}wq:${line}`, `${base}wl:${line}`, member, base, line),
-      this.config.REDIS_TIMEOUT_MS,
-    )
+    const leave = this.run('leave', pool, line, `${req.count} ${req.reservationId}`)
       .then(() => undefined)
       .catch(() => undefined)
       .finally(() => this.unfinished.delete(leave));
