@@ -160,7 +160,7 @@ export async function createApp(config: AppConfig, options: { logger?: boolean }
   // bad in both is refused listing the bad fields of both (API.md: `details.fields` lists each bad field). A body that
   // is not an object is put in one to be linked (linkableBody). A callback hook: no promise on the hot path.
   fastify.addHook('preHandler', (req: FastifyRequest, _reply: FastifyReply, done: () => void) => {
-    if (req.body === null || typeof req.body !== 'object') req.body = linkableBody(req.body);
+    req.body = linkableBody(req.body);
     linkRequestParts(req.params, req.body);
     done();
   });
