@@ -6,6 +6,7 @@ import { FreeRowsById1764000000000 } from '../../migrations/1764000000000-FreeRo
 import { AllocateFunction1764100000000 } from '../../migrations/1764100000000-AllocateFunction.js';
 import { AllocateAllAtOnce1764200000000 } from '../../migrations/1764200000000-AllocateAllAtOnce.js';
 import { AttributesAreStrings1764300000000 } from '../../migrations/1764300000000-AttributesAreStrings.js';
+import { KeyedCommits1764400000000 } from '../../migrations/1764400000000-KeyedCommits.js';
 import { AppConfig } from '../config/app-config.js';
 import { ENTITIES } from './entities.js';
 
@@ -17,6 +18,7 @@ export const MIGRATIONS = [
   AllocateFunction1764100000000,
   AllocateAllAtOnce1764200000000,
   AttributesAreStrings1764300000000,
+  KeyedCommits1764400000000,
 ];
 
 export function dataSourceOptions(config: AppConfig): DataSourceOptions {

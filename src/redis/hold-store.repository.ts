@@ -70,6 +70,8 @@ export interface ReserveRequest {
   attributes?: Record<string, string>;
   valuePrefix?: string;
   groupAffinity: boolean;
+  /** A reservation the Idempotency-Key may be taken from though it names it: neither Redis nor Postgres has it. */
+  forgotten?: string;
   /** The reserve waits for free items (waitMs): it takes its turn in its filter's waiting line (waitingLine). */
   waits?: boolean;
 }
@@ -85,7 +87,12 @@ export type ReserveResult =
    */
   | { status: 'exhausted'; limited: boolean; waitersAhead?: number; inLine?: number; spare?: number }
   | { status: 'quota'; held: number }
-  | { status: 'reused' };
+  | { status: 'reused' }
+  /**
+   * The Idempotency-Key names a reservation Redis no longer has a record of (put back by a rebuild, RebuildService): the
+   * answer is its Postgres commit; with none, the reserve is sent again with `forgotten` set to this id.
+   */
+  | { status: 'landed'; reservationId: string };
 
 /**
  * A pin that took: `retaken`, the selected items whose hold had run out, which the pin took back; `opened`, the pin
@@ -99,6 +106,21 @@ export interface Pinned {
   retaken: string[];
   opened: boolean;
   pinNumber: number;
+  /** The Idempotency-Key the reservation was made with, if any: its commit records it (see RebuildService). */
+  idempotency?: IdempotencyRecord;
+}
+
+/** An Idempotency-Key and the hash of the body it was first sent with. */
+export interface IdempotencyRecord {
+  key: string;
+  bodyHash: string;
+}
+
+/** A record's "<key>\n<body hash>" (reserve.lua), or undefined for "" (made without a key). */
+function parseIdempotency(field: string | undefined): IdempotencyRecord | undefined {
+  if (!field) return undefined;
+  const cut = field.indexOf('\n');
+  return { key: field.slice(0, cut), bodyHash: field.slice(cut + 1) };
 }
 
 export type PinResult =
@@ -304,6 +326,7 @@ export class HoldStore implements OnApplicationShutdown {
         req.waits ? waitingLine(req) : '',
         WAIT_PLACE_MS,
         req.waits && this.config.WAIT_WAKE_UPS === 'true' ? '1' : '',
+        req.forgotten ?? '',
       );
     } catch (err) {
       // A reserve that got no answer (timed out, or its connection lost) may have run in Redis, or may still,
@@ -324,6 +347,8 @@ export class HoldStore implements OnApplicationShutdown {
         return { status: reply[0], reservation: parseReservation(reply) };
       case 'quota':
         return { status: 'quota', held: Number(reply[1]) };
+      case 'landed':
+        return { status: 'landed', reservationId: reply[1] };
       case 'exhausted':
         switch (reply[1]) {
           case 'waiters':
@@ -374,6 +399,7 @@ export class HoldStore implements OnApplicationShutdown {
           retaken: reply[13] ? reply[13].split(',') : [],
           opened: reply[14] === '1',
           pinNumber: Number(reply[15]),
+          idempotency: parseIdempotency(reply[16]),
         };
       case 'confirmed':
         return { status: 'confirmed', reservation: parseReservation(reply) };
@@ -547,6 +573,31 @@ export class HoldStore implements OnApplicationShutdown {
       added += reply;
     }
     return added;
+  }
+
+  /**
+   * Puts back the Idempotency-Keys of reservations Redis no longer has, each naming its reservation (the rebuild
+   * after a wipe, from their Postgres commits), until IDEMPOTENCY_TTL_MS after the reservation was made, as reserve.lua
+   * set them. A key Redis has already stays as it is. Returns how many were put back.
+   */
+  async restoreIdempotencyKeys(
+    pool: string,
+    keyed: readonly (IdempotencyRecord & { reservationId: string; createdMs: number })[],
+  ): Promise<number> {
+    const keys = poolKeys(this.prefix, pool);
+    const now = await this.clock();
+    const batch = this.redis.pipeline();
+    let sent = 0;
+    for (const k of keyed) {
+      const left = k.createdMs + this.config.IDEMPOTENCY_TTL_MS - now;
+      if (left <= 0) continue;
+      batch.set(keys.idempotency(k.key), `${k.reservationId}\n${k.bodyHash}`, 'PX', left, 'NX');
+      sent++;
+    }
+    if (sent === 0) return 0;
+    const replies = await this.command(() => batch.exec());
+    for (const [err] of replies ?? []) if (err) throw err;
+    return (replies ?? []).filter(([, reply]) => reply === 'OK').length;
   }
 
   /** Redis' clock in ms, to stamp a Postgres read with for addFree; like ping(), it fails if Redis is down. */

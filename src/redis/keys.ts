@@ -21,6 +21,7 @@ export const poolKeys = (prefix: string, pool: string) => {
     generation: `${base}gen`,
     hold: (resourceId: string) => `${base}h:${resourceId}`,
     reservation: (reservationId: string) => `${base}r:${reservationId}`,
+    idempotency: (key: string) => `${base}idem:${key}`,
   };
 };
 

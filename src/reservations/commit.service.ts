@@ -9,6 +9,7 @@ import {
   AllocatedItem,
   CachedItem,
   HoldStore,
+  IdempotencyRecord,
   Pinned,
   StoredReservation,
   compareIds,
@@ -31,6 +32,17 @@ export interface CommitOutcome {
   expiresMs: number;
   /** A reservation ("r") or a task lease ("l"); absent in commits recorded before it was kept. */
   kind?: 'r' | 'l';
+  /**
+   * The Idempotency-Key the reservation was made with, and when (Redis clock): a rebuild after a wipe puts the key
+   * back until IDEMPOTENCY_TTL_MS after that, so that a retry of the reserve still answers with this reservation.
+   * Absent for a reservation made without one, and in commits recorded before it was kept.
+   */
+  idempotency?: KeyedCommit;
+}
+
+/** What a commit keeps of the Idempotency-Key its reservation was made with. */
+export interface KeyedCommit extends IdempotencyRecord {
+  createdMs: number;
 }
 
 /**
@@ -103,6 +115,7 @@ export class CommitService {
       items: r.items,
       expiresMs: r.expiresMs,
       kind: r.kind,
+      ...(pin.idempotency && { idempotency: { ...pin.idempotency, createdMs: r.createdMs } }),
     };
     const allocation = {
       poolId: pool.id,

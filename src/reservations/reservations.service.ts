@@ -200,7 +200,17 @@ export class ReservationsService implements OnModuleDestroy {
       valuePrefix: dto.filter?.valuePrefix,
       groupAffinity: false,
     };
-    const result = await this.reserveOrWait(pool.name, request, dto.waitMs ?? 0, gone);
+    let result = await this.reserveOrWait(pool.name, request, dto.waitMs ?? 0, gone);
+    while (result.status === 'landed') {
+      // The key names a reservation whose record Redis lost: a rebuild put the key back from its commit in Postgres.
+      const committed = await this.committer.landedCommit(result.reservationId);
+      if (committed) {
+        this.metrics.reservations.inc({ pool: pool.name, outcome: 'replay' });
+        return { created: false, reservation: committedReservationDto(pool.name, result.reservationId, committed) };
+      }
+      // Neither Redis nor Postgres has it: the key is taken for a new reservation, as if it had expired.
+      result = await this.reserveOrWait(pool.name, { ...request, forgotten: result.reservationId }, dto.waitMs ?? 0, gone);
+    }
     this.metrics.reservations.inc({ pool: pool.name, outcome: result.status });
     switch (result.status) {
       case 'ok':

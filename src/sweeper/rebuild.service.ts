@@ -1,5 +1,7 @@
 import { Injectable, Logger } from '@nestjs/common';
 import { randomUUID } from 'node:crypto';
+import { AppConfig } from '../config/app-config.js';
+import { CommitRepository, KeyedCommitRow } from '../database/commit.repository.js';
 import { GenerationRepository } from '../database/generation.repository.js';
 import { JobMutexRepository } from '../database/job-mutex.repository.js';
 import { ResourceRepository } from '../database/resource.repository.js';
@@ -34,6 +36,8 @@ export class RebuildService {
     private readonly catalog: PoolCatalog,
     private readonly holds: HoldStore,
     private readonly metrics: MetricsService,
+    private readonly commits: CommitRepository,
+    private readonly config: AppConfig,
   ) {}
 
   /**
@@ -95,7 +99,11 @@ export class RebuildService {
         // rebuild began, and holds taken on what it adds now would be fenced by the bump that must follow.
         let intact = true;
         const mode = fresh || (adopt && round === 1) ? 'always' : 'ifPresent';
-        for (const pool of pools) intact = (await this.holds.setGeneration(pool.name, generation, mode)) && intact;
+        for (const pool of pools) {
+          // Before the pool has a generation, a reserve there finds nothing and sets no key.
+          if (mode === 'always') await this.restoreIdempotencyKeys(pool.id, pool.name);
+          intact = (await this.holds.setGeneration(pool.name, generation, mode)) && intact;
+        }
         if (!intact) {
           await this.holds.endRebuildRound(run);
           this.logger.warn('a pool has no Redis generation: Redis was wiped; rebuilding in a new generation');
@@ -169,6 +177,24 @@ export class RebuildService {
     });
     this.keep(generation === null ? null : renewed);
     return generation!;
+  }
+
+  /**
+   * Puts back the pool's Idempotency-Keys of reservations confirmed within IDEMPOTENCY_TTL_MS of their making, from
+   * their commits in Postgres: a keyed reserve retried after a wipe answers with its confirmed reservation (200)
+   * rather than make a new one. The keys of reservations that were only held are not kept anywhere but Redis: their
+   * holds are gone with the wipe, and a retry makes a new reservation.
+   */
+  private async restoreIdempotencyKeys(poolId: string, pool: string): Promise<number> {
+    let restored = 0;
+    let after: KeyedCommitRow | undefined;
+    for (;;) {
+      const rows = await this.commits.keyedSince(poolId, this.config.IDEMPOTENCY_TTL_MS, PAGE, after);
+      if (rows.length === 0) return restored;
+      restored += await this.holds.restoreIdempotencyKeys(pool, rows);
+      after = rows[rows.length - 1];
+      await this.renewLease();
+    }
   }
 
   /** Rows the scripts cannot index (written outside the API before Postgres refused them) stay out of Redis. */

@@ -46,6 +46,7 @@ export class TasksService {
           maxHoldsPerOwner: pool.maxHoldsPerOwner,
         });
       case 'reused':
+      case 'landed':
         throw new Error('unreachable: task leases carry no idempotency key');
     }
   }

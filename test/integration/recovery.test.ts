@@ -1,6 +1,6 @@
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { createApp } from '../../src/app.factory.js';
-import type { AppConfig } from '../../src/config/app-config.js';
+import { AppConfig } from '../../src/config/app-config.js';
 import { TestInstance, TestWorld, eventually, numbers, seedPool, sleep, stalledConfirm, reserveWhenFree } from '../support/harness.js';
 import { OwnRedis, TcpProxy, freePort } from '../support/services.js';
 import { StartupError } from '../../src/common/dependency-errors.js';
@@ -121,6 +121,108 @@ describe('recovery: Redis wiped or down, Postgres down, an instance gone', () =>
     const other = await api.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [r.body.items[1].resourceId] });
     expect(other.body.error.code).toBe('RESERVATION_CLOSED');
     await eventually(async () => (await api.stats('durable')).free === 2, 5000);
+  });
+
+  /** Wipes this file's Redis, and waits until the rebuild that follows has ended. */
+  async function wipeRedisAndRebuild(): Promise<void> {
+    const client = redis.client();
+    await client.flushall();
+    client.disconnect();
+    await eventually(async () => (await api.app.get(HoldStore).rebuildState()) === 'rebuilt', 10_000);
+  }
+
+  it('a keyed reserve retried after Redis is wiped answers with its confirmed reservation (200), holding nothing more', async () => {
+    await seedPool(api, 'keyed', numbers(5));
+    const body = { owner: 'payer', count: 3 };
+    const key = { 'Idempotency-Key': 'order-wiped-1' };
+    const r = await api.post('/v1/pools/keyed/reservations', body, key);
+    expect(r.status).toBe(201);
+    const confirmed = await api.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [r.body.items[0].resourceId] });
+    expect(confirmed.status).toBe(200);
+    const before = await api.post('/v1/pools/keyed/reservations', body, key);
+    expect(before.status).toBe(200);
+    expect(before.body).toMatchObject({ id: r.body.id, state: 'confirmed' });
+    const client = redis.client();
+    await client.flushall();
+    client.disconnect();
+    // Until the rebuild gives the pool its generation, a reserve there finds nothing (409) and writes no key.
+    let retry = before;
+    await eventually(async () => {
+      retry = await api.post('/v1/pools/keyed/reservations', body, key);
+      return !(retry.status === 409 && retry.body.error.code === 'POOL_EXHAUSTED');
+    }, 10_000);
+    expect(retry.status).toBe(200);
+    expect(retry.body).toEqual(before.body);
+    // The reserve held nothing: the 4 items that are not allocated are all free once the rebuild has put them back.
+    await eventually(async () => (await api.stats('keyed')).free === 4, 5000);
+    expect((await api.stats('keyed')).held).toBe(0);
+    const other = await api.post('/v1/pools/keyed/reservations', { owner: 'payer', count: 2 }, key);
+    expect(other.status).toBe(409);
+    expect(other.body.error.code).toBe('IDEMPOTENCY_KEY_REUSED');
+  });
+
+  it('after a wipe, only the keys of confirmed reservations come back, each until IDEMPOTENCY_TTL_MS after its reserve', async () => {
+    await seedPool(api, 'keyed-ttl', numbers(10));
+    const ttlMs = api.app.get(AppConfig).IDEMPOTENCY_TTL_MS;
+    const reserve = (key: string) => api.post('/v1/pools/keyed-ttl/reservations', { owner: 'payer', count: 1 }, { 'Idempotency-Key': key });
+    const held = await reserve('held');
+    const recent = await reserve('recent');
+    const old = await reserve('old');
+    for (const r of [recent, old]) {
+      expect((await api.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [r.body.items[0].resourceId] })).status).toBe(200);
+    }
+    // "recent" was made a minute short of the key's lifetime ago, "old" a second past it (and confirmed then).
+    const backdate = (id: string, ageMs: number, commitToo: boolean) =>
+      world.query(
+        `UPDATE t_commit SET body = jsonb_set(body, '{idempotency,createdMs}', to_jsonb((extract(epoch FROM now()) * 1000)::bigint - $2::bigint))
+           ${commitToo ? `, created_at = now() - $2::bigint * interval '1 millisecond'` : ''}
+         WHERE reservation_id = $1`,
+        [id, ageMs],
+      );
+    await backdate(recent.body.id, ttlMs - 60_000, false);
+    await backdate(old.body.id, ttlMs + 1000, true);
+    await wipeRedisAndRebuild();
+    const keys = poolKeys(world.prefix, 'keyed-ttl');
+    const client = redis.client();
+    try {
+      expect(await client.exists(keys.idempotency('held'), keys.idempotency('old'))).toBe(0);
+      const left = await client.pttl(keys.idempotency('recent'));
+      expect(left).toBeGreaterThan(50_000);
+      expect(left).toBeLessThanOrEqual(60_000);
+    } finally {
+      client.disconnect();
+    }
+    const again = { recent: await reserve('recent'), held: await reserve('held'), old: await reserve('old') };
+    expect(again.recent.status).toBe(200);
+    expect(again.recent.body).toMatchObject({ id: recent.body.id, state: 'confirmed' });
+    // The held reservation's holds went with the wipe: its retry makes a new one, as does the one whose key has lapsed.
+    expect(again.held.status).toBe(201);
+    expect(again.held.body.id).not.toBe(held.body.id);
+    expect(again.old.status).toBe(201);
+    expect(again.old.body.id).not.toBe(old.body.id);
+  });
+
+  it('an Idempotency-Key naming a reservation neither Redis nor Postgres has is taken by a new reservation', async () => {
+    await seedPool(api, 'keyed-ghost', numbers(3));
+    const reserve = () => api.post('/v1/pools/keyed-ghost/reservations', { owner: 'payer', count: 1 }, { 'Idempotency-Key': 'ghost' });
+    const first = await reserve();
+    expect(first.status).toBe(201);
+    // The key now names a reservation that never was (as a key whose record was lost would), with the same body.
+    const idem = poolKeys(world.prefix, 'keyed-ghost').idempotency('ghost');
+    const ghost = 'keyed-ghost.00000000-0000-4000-8000-000000000000';
+    const client = redis.client();
+    try {
+      const [, hash] = (await client.get(idem))!.split('\n');
+      await client.set(idem, `${ghost}\n${hash}`, 'KEEPTTL');
+    } finally {
+      client.disconnect();
+    }
+    const taken = await reserve();
+    expect(taken.status).toBe(201);
+    expect([first.body.id, ghost]).not.toContain(taken.body.id);
+    const replay = await reserve();
+    expect(replay.status).toBe(200);
+    expect(replay.body.id).toBe(taken.body.id);
   });
 
   it('invariant 5: a confirm pinned before Redis was wiped cannot land on an item the rebuild handed out again', async () => {

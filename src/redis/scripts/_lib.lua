@@ -32,7 +32,8 @@
 -- ended while the hold was due (abort's "held again", unpin): its holds are plain ones again (see extend), eo the
 -- attempt token of the pin that opened the current epoch, rt the ids it took back and op its number (a pin sent twice
 -- answers as its first run did),
--- g the Redis generation the holds were taken in (a commit lands only in that generation).
+-- g the Redis generation the holds were taken in (a commit lands only in that generation), ik the Idempotency-Key it
+-- was made with and its body hash ("<key>\n<hash>"; absent for none): a confirm records them in Postgres.
 
 local function tombstone(version)
   return 'A:' .. version

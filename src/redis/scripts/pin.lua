@@ -18,7 +18,7 @@
 --          pinnedUntil, retaken: the ids of the selected items whose hold had run out, which this pin took back
 --          (comma separated), opened: "1" if this pin started the epoch (else it joined one), this pin's number;
 --          for the second send of a pin whose first run opened the epoch, retaken, opened and the number are the first
---          run's (the second takes no number of its own)}
+--          run's (the second takes no number of its own), the reservation's "<Idempotency-Key>\n<body hash>" ("" = none)}
 --          | {"confirmed", ...the same fields up to pinnedUntil} (already committed) | {"missing"} | {"closed"} | {"notin", id}
 --          | {"lost", id}
 local base, rid, window, selection, grace, ended = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4], tonumber(ARGV[5]), ARGV[6]
@@ -111,4 +111,5 @@ local reply = reply_of('pinned', rid, r, now)
 reply[#reply + 1] = reported_retaken
 reply[#reply + 1] = reported_opened and '1' or '0'
 reply[#reply + 1] = pin_number
+reply[#reply + 1] = redis.call('HGET', rkey, 'ik') or ''
 return reply

@@ -7,8 +7,12 @@
 --       15 grace ms (the holds outlive expiresAt by this much; the sweeper looks at the reservation then),
 --       16 the waiting line this reserve, which waits (waitMs), takes its turn in ("" = none; see below), 17 how long
 --       a waiter keeps its place without a try, ms, 18 "1" if this reserve waits (waitMs), in a line or not, and is
---       to be woken when items come free (WAIT_WAKE_UPS)
+--       to be woken when items come free (WAIT_WAKE_UPS), 19 the id of a reservation the Idempotency-Key may be taken
+--       from though it names it ("" = none; see "landed" below)
 -- Returns: {"ok"|"replay", rid, state, owner, kind, createdMs, expiresMs, itemsJson, outcomeJson, nowMs}
+--          or {"landed", prid}: the Idempotency-Key names a reservation (prid) whose record Redis no longer has (a
+--          rebuild after a wipe put the keys of confirmed reservations back, RebuildService): the caller answers from
+--          its Postgres commit, or, if there is none, sends the reserve again with ARGV 19 = prid to make a new one
 --          or {"exhausted"} | {"exhausted", "limited"} (a filtered walk stopped at MAX_LOOKUPS) | {"quota", heldNow}
 --          | {"reused"}; for a waiter, {"exhausted", "line", a, s} or {"exhausted", "waiters", n, a, s} (enough would be
 --          free but for the n waiters before it they are kept for), a = live waiters ahead of it, s = the matching free
@@ -19,6 +23,7 @@ local kind, open_record_ms = ARGV[7], tonumber(ARGV[8])
 local idem_key, body_hash, idem_ttl = ARGV[9], ARGV[10], tonumber(ARGV[11])
 local attr_json, prefix, affinity, grace = ARGV[12], ARGV[13], ARGV[14] == '1', tonumber(ARGV[15])
 local line, place_ms, waits = ARGV[16] or '', tonumber(ARGV[17] or '0'), ARGV[18] == '1'
+local forgotten = ARGV[19] or ''
 local now = now_ms()
 
 -- The answer of a try that found too few: a reserve that waits (and is to be woken) marks the pool as waited in for as
@@ -53,6 +58,7 @@ if idem_key ~= '' then
       end
       return reservation_reply('replay', prid, prkey, now)
     end
+    if prid ~= forgotten then return { 'landed', prid } end
   end
 end
 
@@ -383,11 +389,14 @@ if counted then
 else
   redis.call('HSET', rkey, 'o', r.o, 'k', r.k, 's', r.s, 'i', r.i, 'c', r.c, 'e', r.e, 'g', r.g)
 end
-redis.call('PEXPIRE', rkey, hold_ms + open_record_ms)
-redis.call('ZADD', base .. 'exp', now + hold_ms, rid)
 if idem_key ~= '' then
+  -- The record keeps its key too: a confirm records it in Postgres, from where a rebuild puts it back.
+  local idem = idem_key .. '\n' .. body_hash
+  redis.call('HSET', rkey, 'ik', idem)
   redis.call('SET', base .. 'idem:' .. idem_key, rid .. '\n' .. body_hash, 'PX', idem_ttl)
 end
+redis.call('PEXPIRE', rkey, hold_ms + open_record_ms)
+redis.call('ZADD', base .. 'exp', now + hold_ms, rid)
 if member then
   redis.call('ZREM', queue, member)
   redis.call('ZREM', places, member)
