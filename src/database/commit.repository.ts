@@ -36,8 +36,9 @@ export class CommitRepository {
   }
 
   /**
-   * The pool's commits of keyed reservations recorded within the last `withinMs`, by time, `limit` at a time: the
-   * next page starts after `after`, the last row's place (index t_commit_keyed_idx).
+   * The pool's commits of keyed reservations recorded within the last `withinMs`, the newest first (of two with one
+   * key, the later one is the key's), `limit` at a time: the next page starts after `after`, the last row's place
+   * (index t_commit_keyed_idx).
    */
   keyedSince(poolId: string, withinMs: number, limit: number, after?: KeyedCommitRow): Promise<KeyedCommitRow[]> {
     return pg(async () => {
@@ -47,10 +48,10 @@ export class CommitRepository {
                 created_at::text AS at
            FROM t_commit
           WHERE pool_id = $1 AND body ? 'idempotency' AND created_at > now() - $2 * interval '1 millisecond'
-            AND (created_at, reservation_id) > ($3::timestamptz, $4)
-          ORDER BY created_at, reservation_id
+            AND (created_at, reservation_id) < ($3::timestamptz, $4)
+          ORDER BY created_at DESC, reservation_id DESC
           LIMIT $5`,
-        [poolId, withinMs, after?.at ?? '-infinity', after?.reservationId ?? '', limit],
+        [poolId, withinMs, after?.at ?? 'infinity', after?.reservationId ?? '', limit],
       );
       return rows.map((row) => ({ ...row, createdMs: Number(row.createdMs) }));
     });

@@ -110,6 +110,9 @@ export interface Pinned {
   idempotency?: IdempotencyRecord;
 }
 
+/** How long a pool's mark of a rebuild round putting its Idempotency-Keys back lasts, should the round die. */
+const KEY_RESTORE_MARK_MS = 600_000;
+
 /** An Idempotency-Key and the hash of the body it was first sent with. */
 export interface IdempotencyRecord {
   key: string;
@@ -609,10 +612,20 @@ export class HoldStore implements OnApplicationShutdown {
    * Writes the pool's Redis generation: `always` (a rebuild in a new generation), `ifMissing` (a new pool),
    * `ifPresent` (a rebuild in the current generation: a missing key means Redis was wiped since, and the
    * old generation must not be written into the new Redis). Never over a newer generation (one a newer
-   * rebuild wrote while this instance stalled). Returns whether the key now holds `generation`.
+   * rebuild wrote while this instance stalled). `keysRound`, with `always`: the round that put the pool's
+   * Idempotency-Keys back (beginKeyRestore); if Redis has lost its mark since (wiped), nothing is written. Returns
+   * whether the key now holds `generation`.
    */
-  async setGeneration(pool: string, generation: number, mode: 'always' | 'ifMissing' | 'ifPresent'): Promise<boolean> {
-    return (await this.run<number>('set_generation', pool, generation, mode)) === 1;
+  async setGeneration(pool: string, generation: number, mode: 'always' | 'ifMissing' | 'ifPresent', keysRound = ''): Promise<boolean> {
+    return (await this.run<number>('set_generation', pool, generation, mode, keysRound)) === 1;
+  }
+
+  /**
+   * Marks the pool's Idempotency-Keys as being put back by this rebuild round, before the first one is: a wipe of
+   * Redis before setGeneration takes the mark with the keys, and the generation is then not written.
+   */
+  async beginKeyRestore(pool: string, round: string): Promise<void> {
+    await this.command(() => this.redis.set(poolKeys(this.prefix, pool).keysRound, round, 'PX', KEY_RESTORE_MARK_MS));
   }
 
   /** Drops the item cache of key layout 1 (one hash a pool), if an older version left it behind. */

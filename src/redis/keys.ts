@@ -19,6 +19,8 @@ export const poolKeys = (prefix: string, pool: string) => {
     attribute: (key: string, value: string) => `${base}fz:${key}\0${value}`,
     expiries: `${base}exp`,
     generation: `${base}gen`,
+    /** The rebuild round putting the pool's Idempotency-Keys back, until it writes the generation (set_generation). */
+    keysRound: `${base}kr`,
     hold: (resourceId: string) => `${base}h:${resourceId}`,
     reservation: (reservationId: string) => `${base}r:${reservationId}`,
     idempotency: (key: string) => `${base}idem:${key}`,

@@ -200,6 +200,7 @@ export class ReservationsService implements OnModuleDestroy {
       valuePrefix: dto.filter?.valuePrefix,
       groupAffinity: false,
     };
+    const deadline = Date.now() + (dto.waitMs ?? 0);
     let result = await this.reserveOrWait(pool.name, request, dto.waitMs ?? 0, gone);
     while (result.status === 'landed') {
       // The key names a reservation whose record Redis lost: a rebuild put the key back from its commit in Postgres.
@@ -209,7 +210,8 @@ export class ReservationsService implements OnModuleDestroy {
         return { created: false, reservation: committedReservationDto(pool.name, result.reservationId, committed) };
       }
       // Neither Redis nor Postgres has it: the key is taken for a new reservation, as if it had expired.
-      result = await this.reserveOrWait(pool.name, { ...request, forgotten: result.reservationId }, dto.waitMs ?? 0, gone);
+      const waitMs = dto.waitMs ? Math.max(0, deadline - Date.now()) : 0;
+      result = await this.reserveOrWait(pool.name, { ...request, forgotten: result.reservationId }, waitMs, gone);
     }
     this.metrics.reservations.inc({ pool: pool.name, outcome: result.status });
     switch (result.status) {

@@ -100,9 +100,10 @@ export class RebuildService {
         let intact = true;
         const mode = fresh || (adopt && round === 1) ? 'always' : 'ifPresent';
         for (const pool of pools) {
-          // Before the pool has a generation, a reserve there finds nothing and sets no key.
-          if (mode === 'always') await this.restoreIdempotencyKeys(pool.id, pool.name);
-          intact = (await this.holds.setGeneration(pool.name, generation, mode)) && intact;
+          // Before the pool has a generation, a reserve there finds nothing and sets no key. Should Redis be wiped
+          // after the keys are back and before the generation is, the generation is not written (nor the keys kept).
+          if (mode === 'always') await this.restoreIdempotencyKeys(pool.id, pool.name, run);
+          intact = (await this.holds.setGeneration(pool.name, generation, mode, mode === 'always' ? run : '')) && intact;
         }
         if (!intact) {
           await this.holds.endRebuildRound(run);
@@ -185,7 +186,8 @@ export class RebuildService {
    * rather than make a new one. The keys of reservations that were only held are not kept anywhere but Redis: their
    * holds are gone with the wipe, and a retry makes a new reservation.
    */
-  private async restoreIdempotencyKeys(poolId: string, pool: string): Promise<number> {
+  private async restoreIdempotencyKeys(poolId: string, pool: string, round: string): Promise<number> {
+    await this.holds.beginKeyRestore(pool, round);
     let restored = 0;
     let after: KeyedCommitRow | undefined;
     for (;;) {

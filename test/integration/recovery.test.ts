@@ -1,4 +1,5 @@
-import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { randomUUID } from 'node:crypto';
+import { afterAll, beforeAll, describe, expect, it, onTestFinished, vi } from 'vitest';
 import { createApp } from '../../src/app.factory.js';
 import { AppConfig } from '../../src/config/app-config.js';
 import { TestInstance, TestWorld, eventually, numbers, seedPool, sleep, stalledConfirm, reserveWhenFree } from '../support/harness.js';
@@ -6,7 +7,7 @@ import { OwnRedis, TcpProxy, freePort } from '../support/services.js';
 import { StartupError } from '../../src/common/dependency-errors.js';
 import { GenerationRepository } from '../../src/database/generation.repository.js';
 import { HoldStore } from '../../src/redis/hold-store.repository.js';
-import { poolKeys } from '../../src/redis/keys.js';
+import { makeReservationId, poolKeys } from '../../src/redis/keys.js';
 
 // Invariants 4, 5 and 6 under lost dependencies. This file runs its own redis-server, so it may
 // flush, stop and restart it without touching the machine's Redis, and reaches Postgres through a
@@ -159,18 +160,65 @@ describe('recovery: Redis wiped or down, Postgres down, an instance gone', () =>
     const other = await api.post('/v1/pools/keyed/reservations', { owner: 'payer', count: 2 }, key);
     expect(other.status).toBe(409);
     expect(other.body.error.code).toBe('IDEMPOTENCY_KEY_REUSED');
+    // The undo of a keyed retry that got no answer (a Redis timeout) finds no record to release or write into.
+    const unanswered = makeReservationId('keyed', randomUUID());
+    await api.app.get(HoldStore).undoReserve('keyed', unanswered, 'order-wiped-1');
+    const peek = redis.client();
+    try {
+      expect(await peek.exists(poolKeys(world.prefix, 'keyed').reservation(r.body.id))).toBe(0);
+    } finally {
+      peek.disconnect();
+    }
+    expect(await api.post('/v1/pools/keyed/reservations', body, key)).toMatchObject({ status: 200, body: before.body });
+  });
+
+  it('a wipe after a rebuild put the keys back and before the pool has its generation: no reserve there until they are back again', async () => {
+    await seedPool(api, 'keyed-twice', numbers(3));
+    const reserve = () => api.post('/v1/pools/keyed-twice/reservations', { owner: 'payer', count: 1 }, { 'Idempotency-Key': 'twice' });
+    const r = await reserve();
+    expect((await api.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [r.body.items[0].resourceId] })).status).toBe(200);
+    const holds = api.app.get(HoldStore);
+    const restore = holds.restoreIdempotencyKeys.bind(holds);
+    let rounds = 0;
+    let between: Awaited<ReturnType<typeof reserve>> | undefined;
+    const spy = vi.spyOn(holds, 'restoreIdempotencyKeys').mockImplementation(async (pool, keyed) => {
+      if (pool !== 'keyed-twice') return restore(pool, keyed);
+      rounds++;
+      if (rounds === 2) between = await reserve(); // the second round, before its keys are back
+      const restored = await restore(pool, keyed);
+      if (rounds === 1) {
+        const client = redis.client();
+        await client.flushall();
+        client.disconnect();
+      }
+      return restored;
+    });
+    onTestFinished(() => spy.mockRestore());
+    await wipeRedisAndRebuild();
+    expect(rounds).toBe(2);
+    expect(between?.body.error?.code).toBe('POOL_EXHAUSTED');
+    expect(await reserve()).toMatchObject({ status: 200, body: { id: r.body.id, state: 'confirmed' } });
   });
 
   it('after a wipe, only the keys of confirmed reservations come back, each until IDEMPOTENCY_TTL_MS after its reserve', async () => {
     await seedPool(api, 'keyed-ttl', numbers(10));
     const ttlMs = api.app.get(AppConfig).IDEMPOTENCY_TTL_MS;
     const reserve = (key: string) => api.post('/v1/pools/keyed-ttl/reservations', { owner: 'payer', count: 1 }, { 'Idempotency-Key': key });
+    const confirm = async (r: { body: { id: string; items: { resourceId: string }[] } }) =>
+      expect((await api.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [r.body.items[0].resourceId] })).status).toBe(200);
     const held = await reserve('held');
     const recent = await reserve('recent');
     const old = await reserve('old');
-    for (const r of [recent, old]) {
-      expect((await api.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [r.body.items[0].resourceId] })).status).toBe(200);
-    }
+    await confirm(recent);
+    await confirm(old);
+    // Two confirmed reservations of one key (the key dropped in between, as a longer IDEMPOTENCY_TTL_MS than before
+    // would leave): the later one's comes back.
+    const twice = [await reserve('twice')];
+    await confirm(twice[0]);
+    const client = redis.client();
+    await client.del(poolKeys(world.prefix, 'keyed-ttl').idempotency('twice'));
+    twice.push(await reserve('twice'));
+    await confirm(twice[1]);
     // "recent" was made a minute short of the key's lifetime ago, "old" a second past it (and confirmed then).
     const backdate = (id: string, ageMs: number, commitToo: boolean) =>
       world.query(
@@ -183,7 +231,6 @@ describe('recovery: Redis wiped or down, Postgres down, an instance gone', () =>
     await backdate(old.body.id, ttlMs + 1000, true);
     await wipeRedisAndRebuild();
     const keys = poolKeys(world.prefix, 'keyed-ttl');
-    const client = redis.client();
     try {
       expect(await client.exists(keys.idempotency('held'), keys.idempotency('old'))).toBe(0);
       const left = await client.pttl(keys.idempotency('recent'));
@@ -192,7 +239,13 @@ describe('recovery: Redis wiped or down, Postgres down, an instance gone', () =>
     } finally {
       client.disconnect();
     }
-    const again = { recent: await reserve('recent'), held: await reserve('held'), old: await reserve('old') };
+    const again = {
+      recent: await reserve('recent'),
+      held: await reserve('held'),
+      old: await reserve('old'),
+      twice: await reserve('twice'),
+    };
+    expect(again.twice).toMatchObject({ status: 200, body: { id: twice[1].body.id } });
     expect(again.recent.status).toBe(200);
     expect(again.recent.body).toMatchObject({ id: recent.body.id, state: 'confirmed' });
     // The held reservation's holds went with the wipe: its retry makes a new one, as does the one whose key has lapsed.

@@ -19,6 +19,7 @@
 --   <base>og:<owner>     HASH group -> live leases of that owner in the group (task affinity)
 --   <base>idem:<key>     STRING "<rid>\n<body hash>", PX = idempotency TTL
 --   <base>gen            STRING, the Redis generation this pool's free index was built in (see t_redis_generation)
+--   <base>kr             STRING, the rebuild round putting the pool's Idempotency-Keys back, until it writes gen
 --   <base>wq:<line>      ZSET "<count> <rid>" -> its turn: the reserves waiting (waitMs) in one filter's line, in order
 --   <base>wn:<line>      STRING, the last turn given in the line (INCR)
 --   <base>wl:<line>      ZSET, the same members -> ms at which each one's place lapses unless it tries again

@@ -29,6 +29,9 @@ if undo then
     target = string.sub(named, 1, string.find(named, '\n', 1, true) - 1)
   end
   local tkey = base .. 'r:' .. target
+  -- A key naming a reservation Redis has no record of (put back by a rebuild after a wipe, from its commit): the
+  -- request was answered from Postgres, or made nothing; there is nothing to release, nor a record to write into.
+  if target ~= rid and redis.call('EXISTS', tkey) == 0 then return { 'missing' } end
   local left = {}
   for requester in string.gmatch(redis.call('HGET', tkey, 'rq') or target, '%S+') do
     if requester ~= rid then left[#left + 1] = requester end

@@ -46,7 +46,7 @@ if idem_key ~= '' then
     if string.sub(prev, sep + 1) ~= body_hash then return { 'reused' } end
     local prid = string.sub(prev, 1, sep - 1)
     local prkey = base .. 'r:' .. prid
-    if redis.call('EXISTS', prkey) == 1 then
+    if redis.call('HEXISTS', prkey, 's') == 1 then
       -- This request may be answered with it now: the undo of every other request answered with it must keep it
       -- (release.lua, `rq`: the requests that may have it; absent, only the one that made it). A list of
       -- MAX_REQUESTERS becomes "*", which no undo empties: a client retrying without end would otherwise grow the
