@@ -153,6 +153,8 @@ export async function check(log: Exchange[], windows: FaultWindow[], databaseUrl
     }
   }
 
+  checkKeyedRetries(log, windows, violations, counts);
+
   const sql = new pg.Client({ connectionString: databaseUrl });
   await sql.connect();
   try {
@@ -207,4 +209,41 @@ export async function check(log: Exchange[], windows: FaultWindow[], databaseUrl
     await sql.end();
   }
   return { violations, diagnostics, counts };
+}
+
+/**
+ * A keyed reserve sent again after its reservation was confirmed answers with that reservation: 200, the same id,
+ * `confirmed`, also when Redis lost its data in between (the rebuild puts the key back from the commit). A 201 is a
+ * second reservation for one order. Refusals (409 POOL_EXHAUSTED while a pool is being rebuilt, 503 in a fault) owe
+ * nothing; 409 IDEMPOTENCY_KEY_REUSED for the same body never happens.
+ */
+function checkKeyedRetries(log: Exchange[], windows: FaultWindow[], violations: string[], counts: Record<string, number>): void {
+  const confirmedAt = new Map<string, number>();
+  for (const e of log)
+    if (e.op === 'confirm' && e.status === 200)
+      confirmedAt.set(e.path.split('/')[3], Math.min(confirmedAt.get(e.path.split('/')[3]) ?? Infinity, e.doneAt));
+  const reservationOf = new Map<string, string>();
+  for (const e of log) if (e.op === 'reserve' && e.status === 201 && e.idempotencyKey) reservationOf.set(e.idempotencyKey, e.answer.id);
+  counts.keyedRetries = 0;
+  counts.keyedReplaysAcrossRedisLoss = 0;
+  for (const e of log) {
+    if (e.op !== 'reserve-retry' || !e.idempotencyKey) continue;
+    counts.keyedRetries++;
+    const rid = reservationOf.get(e.idempotencyKey);
+    const confirmed = rid === undefined ? undefined : confirmedAt.get(rid);
+    if (rid === undefined || confirmed === undefined || confirmed > e.sentAt) continue;
+    const answer = e.answer as { id?: string; state?: string; error?: { code?: string } } | undefined;
+    // Those that Redis lost the key of in between (and the rebuild put back), answered with the reservation.
+    if (e.status === 200 && windows.some((w) => w.redisLostBy !== undefined && w.start >= confirmed && w.redisLostBy <= e.sentAt)) {
+      counts.keyedReplaysAcrossRedisLoss++;
+    }
+    if (e.status === 201 || (e.status === 200 && (answer?.id !== rid || answer?.state !== 'confirmed'))) {
+      violations.push(
+        `keyed reserve retried after its reservation ${rid} was confirmed made or named another: ${e.status} ${JSON.stringify(answer)} (key ${e.idempotencyKey}, sent ${new Date(e.sentAt).toISOString()})`,
+      );
+    }
+    if (e.status === 409 && answer?.error?.code === 'IDEMPOTENCY_KEY_REUSED') {
+      violations.push(`keyed reserve retried with the same body refused as another body: key ${e.idempotencyKey}`);
+    }
+  }
 }

@@ -15,6 +15,8 @@ export interface Exchange {
   /** False when an extension whose answer was lost (503, no answer) may have moved expiresAt later than that. */
   expiryKnown?: boolean;
   reservationCreatedAt?: number;
+  /** The request's Idempotency-Key header, if it sent one. */
+  idempotencyKey?: string;
 }
 
 const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));
@@ -45,7 +47,10 @@ export class Traffic {
     try {
       const res = await fetch(`${instance.url}${path}`, {
         method,
-        headers: body === undefined ? {} : { 'content-type': 'application/json' },
+        headers: {
+          ...(body === undefined ? {} : { 'content-type': 'application/json' }),
+          ...(entry.idempotencyKey === undefined ? {} : { 'idempotency-key': entry.idempotencyKey }),
+        },
         body: body === undefined ? undefined : JSON.stringify(body),
         signal: AbortSignal.timeout(this.timeoutMs),
       });
@@ -61,18 +66,25 @@ export class Traffic {
   }
 }
 
-/** A buyer: reserve 3 (waiting for them at times), then confirm 1 in time, late, twice, on another instance, or walk away. Releases what it bought later. */
+/**
+ * A buyer: reserve 3 (waiting for them at times, half of the time with an Idempotency-Key), then confirm 1 in time,
+ * late, twice, on another instance, or walk away. Sends a keyed reserve it confirmed again at times, as a payment
+ * system retrying an order would (the checker: it must answer with the confirmed reservation). Releases what it
+ * bought later.
+ */
 export async function buyer(t: Traffic, id: string, pool: string): Promise<void> {
   const owner = `buyer-${id}`;
   const bought: string[] = [];
-  while (!t.stopped) {
+  for (let order = 0; !t.stopped; order++) {
     await sleep(between(200, 1500));
     if (t.stopped) break;
     const at = t.live();
     const ttlMs = Math.round(between(2000, 4000));
     // A third of the reserves wait for items when too few are free (waitMs), and take their turn in the line.
     const wait = Math.random() < 0.3 ? { waitMs: Math.round(between(200, 2000)) } : {};
-    const r = await t.call(owner, at, 'reserve', 'POST', `/v1/pools/${pool}/reservations`, { owner, count: 3, ttlMs, ...wait });
+    const body = { owner, count: 3, ttlMs, ...wait };
+    const keyed = Math.random() < 0.5 ? { idempotencyKey: `${owner}-order-${order}` } : {};
+    const r = await t.call(owner, at, 'reserve', 'POST', `/v1/pools/${pool}/reservations`, body, keyed);
     if (r.status !== 201) continue;
     const reservation = r.answer;
     const expiresAt = Date.parse(reservation.expiresAt);
@@ -107,6 +119,13 @@ export async function buyer(t: Traffic, id: string, pool: string): Promise<void>
       await t.call(owner, t.live(), 'release', 'DELETE', `/v1/reservations/${reservation.id}`);
     } // else: walks away; the hold expires
     if (done?.status === 200) bought.push(choice);
+    if (done?.status === 200 && keyed.idempotencyKey && Math.random() < 0.5) {
+      await sleep(between(0, 6000));
+      await t.call(owner, t.live(), 'reserve-retry', 'POST', `/v1/pools/${pool}/reservations`, body, {
+        ...keyed,
+        reservationCreatedAt: r.sentAt,
+      });
+    }
     // Each buyer keeps at most one number, so the pool keeps flowing.
     if (bought.length > 1 || (bought.length > 0 && Math.random() < 0.3)) {
       const item = bought.shift()!;
