@@ -20,7 +20,10 @@ export class ReservationsController {
   @ApiHeader({
     name: 'Idempotency-Key',
     required: false,
-    description: 'Repeat the call with the same key and body to get the same reservation (200); 1-255 visible ASCII characters',
+    description:
+      'Repeat the call with the same key and body to get the same reservation (200); 1-255 visible ASCII characters. ' +
+      'Remembered for IDEMPOTENCY_TTL_MS (24 h by default) from the first call; for a reservation that was confirmed, ' +
+      'also after Redis lost its data',
     schema: { type: 'string', pattern: IDEMPOTENCY_KEY.source, minLength: 1, maxLength: 255 },
   })
   @ApiCreatedResponse({ type: ReservationDto, description: 'Items held' })
