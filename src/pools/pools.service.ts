@@ -64,6 +64,9 @@ export class PoolsService {
     if (!(await this.holds.markerPresent())) {
       throw DomainError.unavailable('redis', new Error('Redis was wiped and is being rebuilt from Postgres'));
     }
+    // A pool that exists already is refused before Redis is touched: while a rebuild runs, its generation is the
+    // rebuild's to write, once its Idempotency-Keys are back (RebuildService).
+    if (await this.pools.findByName(dto.name)) throw poolExists(dto.name);
     await this.holds.setGeneration(dto.name, await this.generations.current(), 'ifMissing');
     const pool = await this.pools.insert({
       name: dto.name,
@@ -72,7 +75,7 @@ export class PoolsService {
       maxHoldTtlMs,
       maxHoldsPerOwner: dto.maxHoldsPerOwner ?? null,
     });
-    if (!pool) throw new DomainError(ErrorCode.POOL_EXISTS, `pool "${dto.name}" already exists`, { pool: dto.name });
+    if (!pool) throw poolExists(dto.name);
     // Redis wiped between the key's write and the insert, and rebuilt from a pool list read before the
     // insert: the key is gone, and nothing writes it again; a later rebuild would take that for a wipe
     // and fence every live hold. Written again in the current generation: a rebuild that bumps it after
@@ -311,4 +314,8 @@ function toResourceDto(pool: string, row: ResourceRow, state: ResourceDto['state
     groupKey: row.groupKey,
     updatedAt: new Date(row.updatedAt).toISOString(),
   };
+}
+
+function poolExists(pool: string): DomainError {
+  return new DomainError(ErrorCode.POOL_EXISTS, `pool "${pool}" already exists`, { pool });
 }

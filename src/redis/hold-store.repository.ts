@@ -110,9 +110,6 @@ export interface Pinned {
   idempotency?: IdempotencyRecord;
 }
 
-/** How long a pool's mark of a rebuild round putting its Idempotency-Keys back lasts, should the round die. */
-const KEY_RESTORE_MARK_MS = 600_000;
-
 /** An Idempotency-Key and the hash of the body it was first sent with. */
 export interface IdempotencyRecord {
   key: string;
@@ -622,10 +619,12 @@ export class HoldStore implements OnApplicationShutdown {
 
   /**
    * Marks the pool's Idempotency-Keys as being put back by this rebuild round, before the first one is: a wipe of
-   * Redis before setGeneration takes the mark with the keys, and the generation is then not written.
+   * Redis before setGeneration takes the mark with the keys, and the generation is then not written. The mark has no
+   * expiry, which a long restore could outlast; setGeneration drops it, and the next round's overwrites one a round
+   * that died left behind.
    */
   async beginKeyRestore(pool: string, round: string): Promise<void> {
-    await this.command(() => this.redis.set(poolKeys(this.prefix, pool).keysRound, round, 'PX', KEY_RESTORE_MARK_MS));
+    await this.command(() => this.redis.set(poolKeys(this.prefix, pool).keysRound, round));
   }
 
   /** Drops the item cache of key layout 1 (one hash a pool), if an older version left it behind. */

@@ -13,6 +13,8 @@ import { HoldStore, REBUILDING, toCachedItem, unfinishedRound } from '../redis/h
 const JOB = 'rebuild';
 const LEASE_MS = 30_000;
 const PAGE = 5000;
+/** Rounds a rebuild starts again, at most, after Redis lost a pool's keys during one (see rebuildOnce). */
+const MAX_ROUNDS = 5;
 
 /** `unfinished`: the marker says a rebuild began, and none holds the job (it failed, or its instance died). */
 export type RebuildReason = 'startup' | 'wiped' | 'unfinished' | 'periodic';
@@ -107,6 +109,11 @@ export class RebuildService {
         }
         if (!intact) {
           await this.holds.endRebuildRound(run);
+          // Redis losing its keys round after round (wiped again and again, or evicting): the rebuild ends unfinished,
+          // and the sweeper's next check starts it again, rather than bump the generation in a tight loop.
+          if (round >= MAX_ROUNDS) {
+            throw new Error(`Redis lost a pool's keys during each of ${MAX_ROUNDS} rebuild rounds; the rebuild stays unfinished`);
+          }
           this.logger.warn('a pool has no Redis generation: Redis was wiped; rebuilding in a new generation');
           continue;
         }

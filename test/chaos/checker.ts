@@ -242,6 +242,14 @@ function checkKeyedRetries(log: Exchange[], windows: FaultWindow[], violations: 
         `keyed reserve retried after its reservation ${rid} was confirmed made or named another: ${e.status} ${JSON.stringify(answer)} (key ${e.idempotencyKey}, sent ${new Date(e.sentAt).toISOString()})`,
       );
     }
+    // Before the rebuild after a loss of Redis data gives the pool its generation (after the keys), a reserve there
+    // finds nothing; at any other time the key is there and answers first.
+    const rebuilding = windows.some((w) => w.redisLostBy !== undefined && e.sentAt <= w.end + GRACE_MS && e.doneAt >= w.start);
+    if (e.status === 409 && answer?.error?.code === 'POOL_EXHAUSTED' && !rebuilding) {
+      violations.push(
+        `keyed reserve retried after its reservation ${rid} was confirmed answered POOL_EXHAUSTED outside a loss of Redis data (key ${e.idempotencyKey}, sent ${new Date(e.sentAt).toISOString()})`,
+      );
+    }
     if (e.status === 409 && answer?.error?.code === 'IDEMPOTENCY_KEY_REUSED') {
       violations.push(`keyed reserve retried with the same body refused as another body: key ${e.idempotencyKey}`);
     }

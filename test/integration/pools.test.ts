@@ -42,6 +42,25 @@ describe('pools and resources', () => {
     expect((await api.post('/v1/pools/key-lost/reservations', { owner: 'o' })).status).toBe(201);
   });
 
+  it("a pool created again under its name is refused before Redis is touched: its missing generation stays the rebuild's to write", async () => {
+    expect((await api.post('/v1/pools', { name: 'exists', kind: 'number' })).status).toBe(201);
+    const { Redis } = await import('ioredis');
+    const client = new Redis(api.config.REDIS_URL);
+    const generation = poolKeys(world.prefix, 'exists').generation;
+    try {
+      // As while a rebuild after a wipe puts the pool's Idempotency-Keys back, before it writes the generation.
+      await client.del(generation);
+      const again = await api.post('/v1/pools', { name: 'exists', kind: 'number' });
+      expect(again.status).toBe(409);
+      expect(again.body.error.code).toBe('POOL_EXISTS');
+      expect(await client.exists(generation)).toBe(0);
+    } finally {
+      const [{ gen }] = await world.query(`SELECT gen::int AS gen FROM t_redis_generation`);
+      await api.app.get(HoldStore).setGeneration('exists', gen, 'ifMissing');
+      client.disconnect();
+    }
+  });
+
   it('two imports of the same new values at once (a retried slow import) both answer, between them inserting each once', async () => {
     expect((await api.post('/v1/pools', { name: 'twice', kind: 'number' })).status).toBe(201);
     const values = numbers(3000, '1390000');

@@ -70,6 +70,18 @@ describe('rebuild of Redis from Postgres, one instance at a time', () => {
     expect(await world.query(`SELECT gen::int AS gen FROM t_redis_generation`)).toEqual(before);
   });
 
+  it('a rebuild whose every round finds a pool without its generation (Redis losing keys) stops after 5 rounds, unfinished', async () => {
+    await seedPool(a, 'keys-lost', numbers(1));
+    quietSweepers();
+    const holds = a.app.get(HoldStore);
+    const written = vi.spyOn(holds, 'setGeneration').mockResolvedValue(false);
+    onTestFinished(() => written.mockRestore());
+    await expect(a.app.get(RebuildService).rebuild('startup')).rejects.toThrow(/during each of 5 rebuild rounds/);
+    // The first round in the current generation, the four after it each in a new one.
+    expect(new Set(written.mock.calls.map(([, generation]) => generation)).size).toBe(5);
+    expect(await holds.rebuildState()).toBe('unfinished');
+  });
+
   it('concurrent attempts elect exactly one instance', async () => {
     const attempts = await Promise.all(
       Array.from({ length: 10 }, (_, i) => (i % 2 ? a : b).app.get(JobMutexRepository).acquire('race', `i-${i}`, 60_000)),
