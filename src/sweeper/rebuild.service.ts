@@ -83,6 +83,7 @@ export class RebuildService {
       // No marker: Redis was wiped, or this version's key layout is new to it (the marker's name changed).
       if (reason === 'wiped') await this.holds.dropLegacyAttributeSets(() => this.renewLease());
       let added = 0;
+      let keys = 0;
       let roundMarker = '';
       for (let round = 1; ; round++) {
         // After a wipe, a new Redis generation: commits pinned before it can no longer land (the bump waits
@@ -104,7 +105,7 @@ export class RebuildService {
         for (const pool of pools) {
           // Before the pool has a generation, a reserve there finds nothing and sets no key. Should Redis be wiped
           // after the keys are back and before the generation is, the generation is not written (nor the keys kept).
-          if (mode === 'always') await this.restoreIdempotencyKeys(pool.id, pool.name, run);
+          if (mode === 'always') keys += await this.restoreIdempotencyKeys(pool.id, pool.name, run);
           intact = (await this.holds.setGeneration(pool.name, generation, mode, mode === 'always' ? run : '')) && intact;
         }
         if (!intact) {
@@ -137,7 +138,8 @@ export class RebuildService {
       }
       this.metrics.rebuilds.inc({ reason });
       if (added > 0 || reason !== 'periodic') {
-        this.logger.log(`rebuild (${reason}): ${added} free items re-indexed in ${Date.now() - started} ms`);
+        const putBack = keys > 0 ? `, ${keys} Idempotency-Keys of confirmed reservations put back` : '';
+        this.logger.log(`rebuild (${reason}): ${added} free items re-indexed${putBack} in ${Date.now() - started} ms`);
       }
       return added;
     } catch (err) {
@@ -188,10 +190,11 @@ export class RebuildService {
   }
 
   /**
-   * Puts back the pool's Idempotency-Keys of reservations confirmed within IDEMPOTENCY_TTL_MS of their making, from
-   * their commits in Postgres: a keyed reserve retried after a wipe answers with its confirmed reservation (200)
-   * rather than make a new one. The keys of reservations that were only held are not kept anywhere but Redis: their
-   * holds are gone with the wipe, and a retry makes a new reservation.
+   * Puts back the pool's Idempotency-Keys of its confirmed reservations made within the last IDEMPOTENCY_TTL_MS, each
+   * for what is left of its lifetime, from their commits in Postgres: a keyed reserve retried after a wipe answers with
+   * its confirmed reservation (200) rather than make a new one. The keys of reservations that were only held are not
+   * kept anywhere but Redis: their holds are gone with the wipe, and a retry makes a new reservation. Returns how many
+   * were put back.
    */
   private async restoreIdempotencyKeys(poolId: string, pool: string, round: string): Promise<number> {
     await this.holds.beginKeyRestore(pool, round);
