@@ -74,6 +74,12 @@ export class MetricsService {
     registers: [this.registry],
   });
 
+  readonly keysRestored = new Counter({
+    name: 'respool_idempotency_keys_restored_total',
+    help: "Idempotency-Keys of confirmed reservations this instance's rebuilds put back into Redis from Postgres after a loss of Redis data",
+    registers: [this.registry],
+  });
+
   constructor(
     private readonly pools: PoolRepository,
     private readonly holds: HoldStore,

@@ -137,6 +137,7 @@ export class RebuildService {
         );
       }
       this.metrics.rebuilds.inc({ reason });
+      this.metrics.keysRestored.inc(keys);
       if (added > 0 || reason !== 'periodic') {
         const putBack = keys > 0 ? `, ${keys} Idempotency-Keys of confirmed reservations put back` : '';
         this.logger.log(`rebuild (${reason}): ${added} free items re-indexed${putBack} in ${Date.now() - started} ms`);

@@ -143,6 +143,9 @@ describe('recovery: Redis wiped or down, Postgres down, an instance gone', () =>
     const before = await api.post('/v1/pools/keyed/reservations', body, key);
     expect(before.status).toBe(200);
     expect(before.body).toMatchObject({ id: r.body.id, state: 'confirmed' });
+    const restored = async () =>
+      Number(/^respool_idempotency_keys_restored_total (\d+)$/m.exec((await api.request('GET', '/metrics')).body)?.[1]);
+    const restoredBefore = await restored();
     const client = redis.client();
     await client.flushall();
     client.disconnect();
@@ -154,6 +157,7 @@ describe('recovery: Redis wiped or down, Postgres down, an instance gone', () =>
     }, 10_000);
     expect(retry.status).toBe(200);
     expect(retry.body).toEqual(before.body);
+    await eventually(async () => (await restored()) === restoredBefore + 1, 5000);
     // The reserve held nothing: the 4 items that are not allocated are all free once the rebuild has put them back.
     await eventually(async () => (await api.stats('keyed')).free === 4, 5000);
     expect((await api.stats('keyed')).held).toBe(0);
