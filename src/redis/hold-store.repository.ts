@@ -116,6 +116,11 @@ export interface IdempotencyRecord {
   bodyHash: string;
 }
 
+/** An Idempotency-Key, and when the reservation it was made with was made (Redis clock, ms): it lasts IDEMPOTENCY_TTL_MS from then. */
+export interface KeyedReservation extends IdempotencyRecord {
+  createdMs: number;
+}
+
 /** A record's "<key>\n<body hash>" (reserve.lua), or undefined for "" (made without a key). */
 function parseIdempotency(field: string | undefined): IdempotencyRecord | undefined {
   if (!field) return undefined;
@@ -580,10 +585,7 @@ export class HoldStore implements OnApplicationShutdown {
    * after a wipe, from their Postgres commits), until IDEMPOTENCY_TTL_MS after the reservation was made, as reserve.lua
    * set them. A key Redis has already stays as it is. Returns how many were put back.
    */
-  async restoreIdempotencyKeys(
-    pool: string,
-    keyed: readonly (IdempotencyRecord & { reservationId: string; createdMs: number })[],
-  ): Promise<number> {
+  async restoreIdempotencyKeys(pool: string, keyed: readonly (KeyedReservation & { reservationId: string })[]): Promise<number> {
     const keys = poolKeys(this.prefix, pool);
     const now = await this.clock();
     const batch = this.redis.pipeline();

@@ -9,7 +9,7 @@ import {
   AllocatedItem,
   CachedItem,
   HoldStore,
-  IdempotencyRecord,
+  KeyedReservation,
   Pinned,
   StoredReservation,
   compareIds,
@@ -37,12 +37,7 @@ export interface CommitOutcome {
    * back until IDEMPOTENCY_TTL_MS after that, so that a retry of the reserve still answers with this reservation.
    * Absent for a reservation made without one, and in commits recorded before it was kept.
    */
-  idempotency?: KeyedCommit;
-}
-
-/** What a commit keeps of the Idempotency-Key its reservation was made with. */
-export interface KeyedCommit extends IdempotencyRecord {
-  createdMs: number;
+  idempotency?: KeyedReservation;
 }
 
 /**

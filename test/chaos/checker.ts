@@ -219,9 +219,11 @@ export async function check(log: Exchange[], windows: FaultWindow[], databaseUrl
  */
 function checkKeyedRetries(log: Exchange[], windows: FaultWindow[], violations: string[], counts: Record<string, number>): void {
   const confirmedAt = new Map<string, number>();
-  for (const e of log)
-    if (e.op === 'confirm' && e.status === 200)
-      confirmedAt.set(e.path.split('/')[3], Math.min(confirmedAt.get(e.path.split('/')[3]) ?? Infinity, e.doneAt));
+  for (const e of log) {
+    if (e.op !== 'confirm' || e.status !== 200) continue;
+    const rid = e.path.split('/')[3];
+    confirmedAt.set(rid, Math.min(confirmedAt.get(rid) ?? Infinity, e.doneAt));
+  }
   const reservationOf = new Map<string, string>();
   for (const e of log) if (e.op === 'reserve' && e.status === 201 && e.idempotencyKey) reservationOf.set(e.idempotencyKey, e.answer.id);
   counts.keyedRetries = 0;

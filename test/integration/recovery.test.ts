@@ -75,9 +75,7 @@ describe('recovery: Redis wiped or down, Postgres down, an instance gone', () =>
       await api.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [r.body.items[0].resourceId] });
       allocated.push(r.body.items[0].resourceId);
     }
-    const client = redis.client();
-    await client.flushall();
-    client.disconnect();
+    await wipeRedis();
 
     const started = Date.now();
     const taken: string[] = [];
@@ -111,9 +109,7 @@ describe('recovery: Redis wiped or down, Postgres down, an instance gone', () =>
     const r = await api.post('/v1/pools/durable/reservations', { owner: 'payer', count: 3 });
     const body = { resourceIds: [r.body.items[0].resourceId] };
     const first = await api.post(`/v1/reservations/${r.body.id}/confirm`, body);
-    const client = redis.client();
-    await client.flushall();
-    client.disconnect();
+    await wipeRedis();
     const retry = await api.post(`/v1/reservations/${r.body.id}/confirm`, body);
     expect(retry.status).toBe(200);
     // The same answer, its keys in the same order too (the retry's comes from Postgres' jsonb, which orders them its way).
@@ -124,11 +120,19 @@ describe('recovery: Redis wiped or down, Postgres down, an instance gone', () =>
     await eventually(async () => (await api.stats('durable')).free === 2, 5000);
   });
 
+  /** Wipes this file's Redis (FLUSHALL). */
+  async function wipeRedis(): Promise<void> {
+    const client = redis.client();
+    try {
+      await client.flushall();
+    } finally {
+      client.disconnect();
+    }
+  }
+
   /** Wipes this file's Redis, and waits until the rebuild that follows has ended. */
   async function wipeRedisAndRebuild(): Promise<void> {
-    const client = redis.client();
-    await client.flushall();
-    client.disconnect();
+    await wipeRedis();
     await eventually(async () => (await api.app.get(HoldStore).rebuildState()) === 'rebuilt', 10_000);
   }
 
@@ -146,9 +150,7 @@ describe('recovery: Redis wiped or down, Postgres down, an instance gone', () =>
     const restored = async () =>
       Number(/^respool_idempotency_keys_restored_total (\d+)$/m.exec((await api.request('GET', '/metrics')).body)?.[1]);
     const restoredBefore = await restored();
-    const client = redis.client();
-    await client.flushall();
-    client.disconnect();
+    await wipeRedis();
     // Until the rebuild gives the pool its generation, a reserve there finds nothing (409) and writes no key.
     let retry = before;
     await eventually(async () => {
@@ -191,9 +193,7 @@ describe('recovery: Redis wiped or down, Postgres down, an instance gone', () =>
       if (rounds === 2) between = await reserve(); // the second round, before its keys are back
       const restored = await restore(pool, keyed);
       if (rounds === 1) {
-        const client = redis.client();
-        await client.flushall();
-        client.disconnect();
+        await wipeRedis();
       }
       return restored;
     });
@@ -288,9 +288,7 @@ describe('recovery: Redis wiped or down, Postgres down, an instance gone', () =>
     const id = r.body.items[0].resourceId;
     // The confirm pins its hold, then stalls before Postgres; meanwhile Redis is wiped and rebuilt.
     const slow = await stalledConfirm(api, 'wiped-mid-commit', r.body.id, id, 15_000);
-    const client = redis.client();
-    await client.flushall();
-    client.disconnect();
+    await wipeRedis();
     const rival = await reserveWhenFree(api, 'wiped-mid-commit', 'rival');
     // The stalled commit arrives with a valid version, but from the old Redis generation: refused.
     const late = await slow.land();
@@ -309,9 +307,7 @@ describe('recovery: Redis wiped or down, Postgres down, an instance gone', () =>
     // What a rebuild page, an import or a release read just before the allocation: the item, free.
     const stale = { id: held.resourceId, v: held.value, n: held.version, g: null, a: {} };
     expect((await api.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [held.resourceId] })).status).toBe(200);
-    const client = redis.client();
-    await client.flushall();
-    client.disconnect();
+    await wipeRedis();
     await eventually(async () => (await api.stats('stale-page'))?.free === 1, 5000);
     // The late write arrives after the rebuild: its allocation tombstone was wiped, the generation fences it.
     expect(await holds.addFree('stale-page', before, await holds.clock(), [stale])).toBe(0);
