@@ -7,6 +7,7 @@ import { AllocateFunction1764100000000 } from '../../migrations/1764100000000-Al
 import { AllocateAllAtOnce1764200000000 } from '../../migrations/1764200000000-AllocateAllAtOnce.js';
 import { AttributesAreStrings1764300000000 } from '../../migrations/1764300000000-AttributesAreStrings.js';
 import { KeyedCommits1764400000000 } from '../../migrations/1764400000000-KeyedCommits.js';
+import { RedisCheckpoint1764500000000 } from '../../migrations/1764500000000-RedisCheckpoint.js';
 import { AppConfig } from '../config/app-config.js';
 import { ENTITIES } from './entities.js';
 
@@ -19,6 +20,7 @@ export const MIGRATIONS = [
   AllocateAllAtOnce1764200000000,
   AttributesAreStrings1764300000000,
   KeyedCommits1764400000000,
+  RedisCheckpoint1764500000000,
 ];
 
 export function dataSourceOptions(config: AppConfig): DataSourceOptions {

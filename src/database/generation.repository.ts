@@ -7,7 +7,8 @@ export const GENERATION_LOCK = 7_361_905_022;
 
 /**
  * The Redis generation (t_redis_generation). A rebuild after Redis was wiped bumps it; a commit only
- * lands in the generation its holds were taken in.
+ * lands in the generation its holds were taken in. And the Redis checkpoint (t_redis_checkpoint, see
+ * RebuildService.checkpoint), which tells when Redis went back in time.
  */
 @Injectable()
 export class GenerationRepository {
@@ -34,5 +35,20 @@ export class GenerationRepository {
         return Number(rows[0].gen);
       }),
     );
+  }
+
+  /** Postgres' Redis checkpoint. */
+  async checkpoint(): Promise<number> {
+    const rows: { n: string }[] = await pg(() => this.db.query(`SELECT n::text AS n FROM t_redis_checkpoint`));
+    return Number(rows[0].n);
+  }
+
+  /** Raises Postgres' Redis checkpoint from `from` to `to`; false, and nothing changed, if it no longer was `from`. */
+  async advanceCheckpoint(from: number, to: number): Promise<boolean> {
+    // As a SELECT: TypeORM answers an UPDATE's query with [rows, count].
+    const rows: unknown[] = await pg(() =>
+      this.db.query(`WITH raised AS (UPDATE t_redis_checkpoint SET n = $2 WHERE n = $1 RETURNING n) SELECT n FROM raised`, [from, to]),
+    );
+    return rows.length === 1;
   }
 }

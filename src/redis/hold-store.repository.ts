@@ -7,7 +7,7 @@ import { isRedisOutage } from '../common/dependency-errors.js';
 import { DomainError, ErrorCode } from '../common/errors.js';
 import { Later } from '../common/later.js';
 import { loadScript } from './lua-prelude.js';
-import { freeMember, legacyAttributeSets, markerKey, poolBase, poolKeys, rebuildRunKey } from './keys.js';
+import { checkpointKey, freeMember, legacyAttributeSets, markerKey, ownKeys, poolBase, poolKeys, rebuildRunKey } from './keys.js';
 import { REDIS, REDIS_TIMEOUT_MESSAGE, evictionPolicyOf, evictionRefusal, redisNowMs, warnEachError, withTimeout } from './redis.client.js';
 
 /**
@@ -189,10 +189,21 @@ export const OPEN_RECORD_MARGIN_MS = 86_400_000;
 const REBUILD_RUN_KEY_MS = 24 * 3600_000;
 /** Reserves waiting to be undone at most (undoLater); past that, one is left to expire with its hold. */
 const MAX_PENDING_UNDOS = 10_000;
+/** The rebuilt-marker and Redis' checkpoint, as read together (null: the key is missing). */
+export interface RedisCheckpoint {
+  marker: string | null;
+  n: number | null;
+}
 /** In the marker's value while a rebuild round runs: `<generation> rebuilding:<run>`. */
 export const REBUILDING = ' rebuilding:';
 /** The marker set to ARGV[2] only over ARGV[1] (Redis 7.0 has no SET ... IFEQ). */
 const MARK_REBUILT = `if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('SET', KEYS[1], ARGV[2]) return 1 end return 0`;
+/**
+ * Redis' checkpoint (KEYS[2]) set to ARGV[3] only while the marker (KEYS[1]) is ARGV[1] and the checkpoint ARGV[2] ("":
+ * none), as the caller read them: not into a Redis wiped and rebuilt since, nor over a number another instance wrote.
+ */
+const SET_CHECKPOINT = `if redis.call('GET', KEYS[1]) ~= ARGV[1] or (redis.call('GET', KEYS[2]) or '') ~= ARGV[2] then return 0 end
+redis.call('SET', KEYS[2], ARGV[3]) return 1`;
 /** addFree adds nothing from a Postgres read older than this (Redis' clock), well inside a tombstone's life. */
 export const READ_MAX_AGE_MS = TOMBSTONE_MS / 2;
 /**
@@ -716,6 +727,47 @@ export class HoldStore implements OnApplicationShutdown {
   /** Ends a round of a rebuild; false if its key is gone: Redis was wiped during the round. */
   async endRebuildRound(run: string): Promise<boolean> {
     return (await this.command(() => this.redis.del(rebuildRunKey(this.prefix, run)))) === 1;
+  }
+
+  /** The rebuilt-marker and Redis' checkpoint (RebuildService.checkpoint), read at one instant. */
+  async checkpoint(): Promise<RedisCheckpoint> {
+    const [marker, n] = await this.command(() => this.redis.mget(markerKey(this.prefix), checkpointKey(this.prefix)));
+    return { marker, n: n === null ? null : Number(n) };
+  }
+
+  /** Sets Redis' checkpoint to `n` if it and the marker are still as `seen`; false, and nothing written, if not. */
+  async setCheckpoint(seen: RedisCheckpoint & { marker: string }, n: number): Promise<boolean> {
+    const keys = [markerKey(this.prefix), checkpointKey(this.prefix)];
+    const reply = await this.command(() =>
+      this.redis.eval(SET_CHECKPOINT, 2, ...keys, seen.marker, seen.n === null ? '' : String(seen.n), String(n)),
+    );
+    return reply === 1;
+  }
+
+  /**
+   * Drops every key of this deployment's state (keys.ownKeys), so that Redis is as after a wipe: first the generations
+   * of `pools` (a reserve there finds nothing from then on), then the rest as a walk of the key space finds them, and the
+   * marker and the checkpoint last, in one step. Until then, any instance still finds Redis' checkpoint behind and
+   * starts over, should this one die midway. `afterPage` runs after each page of the walk (to keep the rebuild's lease).
+   * Returns how many keys were dropped.
+   */
+  async dropAll(pools: readonly string[], afterPage: () => Promise<unknown>): Promise<number> {
+    const own = ownKeys(this.prefix);
+    const last = [markerKey(this.prefix), checkpointKey(this.prefix)];
+    let dropped = 0;
+    for (let i = 0; i < pools.length; i += 1000) {
+      const generations = pools.slice(i, i + 1000).map((pool) => poolKeys(this.prefix, pool).generation);
+      dropped += await this.command(() => this.redis.del(...generations));
+    }
+    let cursor = '0';
+    do {
+      const [next, keys] = await this.command(() => this.redis.scan(cursor, 'MATCH', own.glob, 'COUNT', 1000));
+      cursor = next;
+      const found = keys.filter((key) => own.matches(key) && !last.includes(key));
+      if (found.length > 0) dropped += await this.command(() => this.redis.unlink(...found));
+      await afterPage();
+    } while (cursor !== '0');
+    return dropped + (await this.command(() => this.redis.del(...last)));
   }
 
   /**

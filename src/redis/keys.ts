@@ -49,6 +49,27 @@ export function markerKey(prefix: string): string {
   return `${prefix}meta:rebuilt:${KEY_LAYOUT}`;
 }
 
+/**
+ * Redis' copy of the checkpoint (RebuildService.checkpoint): the number Postgres had when an instance last
+ * raised it here.
+ */
+export function checkpointKey(prefix: string): string {
+  return `${prefix}meta:checkpoint`;
+}
+
+/**
+ * The keys of this deployment's state (see HoldStore.dropAll): a glob to scan for, and the exact test of a name. Every
+ * pool's keys, the marker, the checkpoint and the rebuild rounds' keys; not another deployment's whose prefix starts
+ * with this one (a prefix holds no "{"), nor an older key layout's marker.
+ */
+export function ownKeys(prefix: string): { glob: string; matches: (key: string) => boolean } {
+  const quoted = prefix.replace(/[.*+?^${}()|[\]\\]/g, '\\$&');
+  const poolKey = new RegExp(`^${quoted}\\{[a-z0-9][a-z0-9_-]*\\}:`);
+  const meta = new Set([markerKey(prefix), checkpointKey(prefix)]);
+  const runs = rebuildRunKey(prefix, '');
+  return { glob: `${prefix}*`, matches: (key) => poolKey.test(key) || meta.has(key) || key.startsWith(runs) };
+}
+
 /** A key only one round of one rebuild writes (`run` names it), so that only a wipe of Redis removes it. */
 export function rebuildRunKey(prefix: string, run: string): string {
   return `${prefix}meta:rebuild-run:${run}`;

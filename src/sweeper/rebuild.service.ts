@@ -8,7 +8,7 @@ import { ResourceRepository } from '../database/resource.repository.js';
 import { MetricsService } from '../metrics/metrics.service.js';
 import { PoolCatalog } from '../pools/pool-catalog.service.js';
 import { isStringRecord } from '../common/validators.js';
-import { HoldStore, REBUILDING, toCachedItem, unfinishedRound } from '../redis/hold-store.repository.js';
+import { HoldStore, REBUILDING, RedisCheckpoint, toCachedItem, unfinishedRound } from '../redis/hold-store.repository.js';
 
 const JOB = 'rebuild';
 const LEASE_MS = 30_000;
@@ -16,8 +16,11 @@ const PAGE = 5000;
 /** Rounds a rebuild starts again, at most, after Redis lost a pool's keys during one (see rebuildOnce). */
 const MAX_ROUNDS = 5;
 
-/** `unfinished`: the marker says a rebuild began, and none holds the job (it failed, or its instance died). */
-export type RebuildReason = 'startup' | 'wiped' | 'unfinished' | 'periodic';
+/**
+ * `unfinished`: the marker says a rebuild began, and none holds the job (it failed, or its instance died). `rolledBack`:
+ * Redis went back in time (see checkpoint).
+ */
+export type RebuildReason = 'startup' | 'wiped' | 'unfinished' | 'periodic' | 'rolledBack';
 
 /** The job changed hands while this instance held it (its lease ran out while the process was stalled). */
 class LeaseLost extends Error {}
@@ -82,13 +85,27 @@ export class RebuildService {
       }
       // No marker: Redis was wiped, or this version's key layout is new to it (the marker's name changed).
       if (reason === 'wiped') await this.holds.dropLegacyAttributeSets(() => this.renewLease());
+      // Redis went back in time, unless another instance has rebuilt it since: what it holds is dropped, and it is
+      // rebuilt as after a wipe.
+      if (reason === 'rolledBack') {
+        const behind = await this.behind();
+        if (behind === null) return 0;
+        this.logger.error(
+          `Redis went back in time: its checkpoint is ${behind.redis}, Postgres' ${behind.postgres} (Redis was restored ` +
+            'from an older snapshot, or failed over to a replica that lagged); dropping its respool keys, holds included, ' +
+            'and rebuilding them from Postgres as after a wipe',
+        );
+        const pools = (await this.catalog.all()).map((pool) => pool.name);
+        const dropped = await this.holds.dropAll(pools, () => this.renewLease());
+        this.logger.warn(`rebuild (rolledBack): ${dropped} Redis keys dropped`);
+      }
       let added = 0;
       let keys = 0;
       let roundMarker = '';
       for (let round = 1; ; round++) {
         // After a wipe, a new Redis generation: commits pinned before it can no longer land (the bump waits
         // for those in flight), so the items the rebuild hands out again are really free.
-        const fresh = reason === 'wiped' || round > 1;
+        const fresh = reason === 'wiped' || reason === 'rolledBack' || round > 1;
         const generation = fresh ? await this.bumpGeneration() : await this.generations.current();
         // The marker tells the sweepers Redis holds rebuilt state. Whether Redis was wiped during this round, only
         // the round's own key tells: the marker's value may be another instance's (one that stalled past its
@@ -153,6 +170,45 @@ export class RebuildService {
     } finally {
       await this.mutex.release(JOB, this.instanceId).catch(() => undefined);
     }
+  }
+
+  /**
+   * Tells whether Redis went back in time (restored from an older snapshot, or failed over to a replica that lagged),
+   * and moves the checkpoint on; the sweeper calls it about once a second on every instance. The checkpoint is a
+   * number kept in Postgres and in Redis. An instance raises Postgres' from `p` only after it read Redis' at `p` or
+   * more, then raises Redis' to match (unless Redis was rebuilt, or another instance wrote it, since it read it). So
+   * Redis' is never more than one behind Postgres', though an instance may stall between the two writes: read in that
+   * order, Redis' below Postgres' minus one means Redis lost writes. The loss is found once Redis' copy is two steps
+   * old: about two seconds with one instance (less with more). Returns true then, and the caller rebuilds.
+   */
+  async checkpoint(): Promise<boolean> {
+    const postgres = await this.generations.checkpoint();
+    const seen = await this.holds.checkpoint();
+    // Wiped, or being rebuilt: the rebuild sees to it.
+    if (!isRebuilt(seen)) return false;
+    if (seen.n === null) {
+      // The first check since a rebuild (or of this version): Redis starts at Postgres' number, read after the key was
+      // seen missing (a number read before might be one that Postgres has since moved past).
+      await this.holds.setCheckpoint(seen, await this.generations.checkpoint());
+      return false;
+    }
+    if (seen.n < postgres - 1) return true;
+    if (seen.n === postgres - 1) {
+      // An instance raised Postgres' and has not raised Redis' (yet: it may have stalled, or died): done for it.
+      await this.holds.setCheckpoint(seen, postgres);
+      return false;
+    }
+    // Redis has caught up (Redis ahead only if Postgres itself went back: it jumps past Redis).
+    const next = seen.n + 1;
+    if (await this.generations.advanceCheckpoint(postgres, next)) await this.holds.setCheckpoint(seen, next);
+    return false;
+  }
+
+  /** Redis' checkpoint and Postgres', if Redis' is behind (read as checkpoint reads them); null if it is not. */
+  private async behind(): Promise<{ redis: number; postgres: number } | null> {
+    const postgres = await this.generations.checkpoint();
+    const seen = await this.holds.checkpoint();
+    return isRebuilt(seen) && seen.n !== null && seen.n < postgres - 1 ? { redis: seen.n, postgres } : null;
   }
 
   /** The version of the job's row this instance holds it at. */
@@ -247,4 +303,9 @@ export class RebuildService {
       await this.renewLease(); // a pool of millions of items takes longer than one lease
     }
   }
+}
+
+/** Redis holds state a rebuild finished (neither wiped nor being rebuilt). */
+function isRebuilt(seen: RedisCheckpoint): seen is RedisCheckpoint & { marker: string } {
+  return seen.marker !== null && unfinishedRound(seen.marker) === null;
 }

@@ -12,6 +12,8 @@ import { MAX_BATCHES_PER_TICK, SWEEP_BATCH, SWEEP_CONCURRENCY, SWEEP_WORK_BUDGET
 
 const POOL_LIST_REFRESH_MS = 2000;
 const WIPE_CHECK_MIN_GAP_MS = 500;
+/** Between two checks of the Redis checkpoint (RebuildService.checkpoint) on one instance. */
+const CHECKPOINT_GAP_MS = 1000;
 
 /** Stalled commits waiting for the upkeep loop at most; the sweep reports a stalled one again a window later. */
 const MAX_STALLED_QUEUED = 10_000;
@@ -20,7 +22,7 @@ const MAX_STALLED_QUEUED = 10_000;
  * Runs on every instance, in two loops that never wait for each other: the sweep returns expired holds
  * to the pool (one Lua script per pool per batch; Redis only, so expiry keeps its 2 s promise while
  * Postgres is down or hangs), and the upkeep hands commits stuck past their window to the commit service,
- * refreshes the pool list, and triggers the rebuild when Redis was wiped and periodically.
+ * refreshes the pool list, and triggers the rebuild when Redis was wiped or went back in time, and periodically.
  */
 @Injectable()
 export class SweeperService implements OnApplicationBootstrap, OnModuleDestroy {
@@ -31,6 +33,7 @@ export class SweeperService implements OnApplicationBootstrap, OnModuleDestroy {
   private lastPoolRefresh = 0;
   private lastRebuild = 0;
   private lastWipeCheck = 0;
+  private lastCheckpoint = 0;
   /** Reservations whose commit window ran out, found by the sweep, for the upkeep to settle; by pool and id. */
   private readonly stalled = new Map<string, { pool: PoolEntity; rid: string }>();
   private readonly warned = new Set<string>();
@@ -180,11 +183,18 @@ export class SweeperService implements OnApplicationBootstrap, OnModuleDestroy {
     // index out: done again at once, whatever RECONCILE_INTERVAL_MS says. While another instance runs one, it
     // holds the job and this does nothing.
     const unfinished = state === 'unfinished';
-    if (!startup && !wiped && !unfinished && !periodic) return;
-    const reason = wiped ? 'wiped' : unfinished ? 'unfinished' : startup ? 'startup' : 'periodic';
+    // Redis restored from an older snapshot, or failed over to a replica that lagged, keeps a marker: the checkpoint
+    // tells.
+    let rolledBack = false;
+    if (state === 'rebuilt' && (startup || now - this.lastCheckpoint >= CHECKPOINT_GAP_MS)) {
+      this.lastCheckpoint = now;
+      rolledBack = await this.rebuilder.checkpoint();
+    }
+    if (!startup && !wiped && !unfinished && !periodic && !rolledBack) return;
+    const reason = rolledBack ? 'rolledBack' : wiped ? 'wiped' : unfinished ? 'unfinished' : startup ? 'startup' : 'periodic';
     const added = await this.rebuilder.rebuild(reason);
-    // Another instance holding the job counts as done for the periodic run, not for a wipe.
-    if (added !== null || !wiped) this.lastRebuild = now;
+    // Another instance holding the job counts as done for the periodic run, not for a wipe or a rollback.
+    if (added !== null || (!wiped && !rolledBack)) this.lastRebuild = now;
   }
 
   /** Once both loops ran without a failure: a failure that comes back is logged again. */

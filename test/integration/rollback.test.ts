@@ -1,0 +1,186 @@
+import { mkdtempSync, rmSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import { afterAll, beforeAll, describe, expect, it, onTestFinished, vi } from 'vitest';
+import { GenerationRepository } from '../../src/database/generation.repository.js';
+import { HoldStore } from '../../src/redis/hold-store.repository.js';
+import { checkpointKey, poolKeys } from '../../src/redis/keys.js';
+import { RebuildService } from '../../src/sweeper/rebuild.service.js';
+import { SweeperService } from '../../src/sweeper/sweeper.service.js';
+import { TestInstance, TestWorld, eventually, numbers, seedPool } from '../support/harness.js';
+import { OwnRedis } from '../support/services.js';
+
+// Invariants 3 and 5 when Redis goes back in time: restored from an older snapshot (or failed over to a replica that
+// lagged), it keeps its rebuilt-marker, so no wipe is seen. This file runs its own redis-server, which writes its
+// snapshot into a directory of the file's own and loads it again when it restarts.
+describe('Redis restored from an older snapshot', () => {
+  const dir = mkdtempSync(join(tmpdir(), 'respool-rollback-'));
+  const serverArgs = ['--dir', dir, '--dbfilename', 'snapshot.rdb'];
+  let redis: OwnRedis;
+  let world: TestWorld;
+
+  beforeAll(async () => {
+    redis = await OwnRedis.start(serverArgs);
+    world = new TestWorld('rollback', { REDIS_URL: redis.url });
+  });
+  afterAll(async () => {
+    try {
+      await world.cleanup();
+    } finally {
+      await redis.stop();
+      rmSync(dir, { recursive: true, force: true });
+    }
+  });
+
+  async function withRedis<T>(use: (client: ReturnType<OwnRedis['client']>) => Promise<T>): Promise<T> {
+    const client = redis.client();
+    try {
+      return await use(client);
+    } finally {
+      client.disconnect();
+    }
+  }
+
+  const postgresCheckpoint = async () => Number((await world.query(`SELECT n FROM t_redis_checkpoint`))[0].n);
+  const redisCheckpoint = async () => {
+    const n = await withRedis((client) => client.get(checkpointKey(world.prefix)));
+    return n === null ? null : Number(n);
+  };
+
+  /** The instances' sweepers leave the checkpoint and the rebuild alone until the test is over. */
+  function quietSweepers(...instances: TestInstance[]): void {
+    const spies = instances.map((instance) =>
+      vi
+        .spyOn(instance.app.get(SweeperService) as unknown as { rebuildIfNeeded: () => Promise<void> }, 'rebuildIfNeeded')
+        .mockResolvedValue(),
+    );
+    onTestFinished(() => spies.forEach((spy) => spy.mockRestore()));
+  }
+
+  it("invariants 3 and 5: the snapshot is found behind, dropped and rebuilt; no allocated item is handed out, and a confirmed reservation's Idempotency-Key still answers with it", async () => {
+    const api = await world.start({ RECONCILE_INTERVAL_MS: '0' });
+    onTestFinished(() => api.close());
+    await seedPool(api, 'snap', numbers(10));
+    // Keys the drop must leave alone: another deployment's, whose prefix starts with this one's, and an older key
+    // layout's marker.
+    const others = [`${world.prefix}other:{snap}:free`, `${world.prefix}meta:rebuilt:2`];
+    await withRedis(async (client) => {
+      for (const key of others) await client.set(key, 'not respool');
+    });
+    const early = await api.post('/v1/pools/snap/reservations', { owner: 'early', count: 2 }, { 'Idempotency-Key': 'order-1' });
+    expect(early.status).toBe(201);
+    const snapshotAt = (await eventually(redisCheckpoint, 5000)).value;
+    await withRedis((client) => client.save());
+
+    // After the snapshot: the early reservation is confirmed, and a later one is made and confirmed, of items free
+    // in the snapshot.
+    const kept = early.body.items[0].resourceId;
+    expect((await api.post(`/v1/reservations/${early.body.id}/confirm`, { resourceIds: [kept] })).status).toBe(200);
+    const lateBody = { owner: 'late', count: 3 };
+    const late = await api.post('/v1/pools/snap/reservations', lateBody, { 'Idempotency-Key': 'order-2' });
+    expect(late.status).toBe(201);
+    const taken = late.body.items[0].resourceId;
+    const confirmed = await api.post(`/v1/reservations/${late.body.id}/confirm`, { resourceIds: [taken] });
+    expect(confirmed.status).toBe(200);
+    // The checkpoint moves on until the snapshot's is at least two behind Postgres' (a step may have come between the
+    // read above and the save).
+    await eventually(async () => (await postgresCheckpoint()) >= snapshotAt + 3, 10_000);
+
+    await redis.stop();
+    await redis.start(serverArgs);
+    expect(await withRedis((client) => client.exists(poolKeys(world.prefix, 'snap').reservation(late.body.id)))).toBe(0);
+
+    // Found within about a second, dropped and rebuilt: the checkpoint is back in line with Postgres'.
+    await eventually(async () => {
+      const n = await redisCheckpoint();
+      return n !== null && n >= (await postgresCheckpoint()) - 1 && (await api.app.get(HoldStore).rebuildState()) === 'rebuilt';
+    }, 10_000);
+    const metrics = await api.get('/metrics');
+    expect(metrics.body).toMatch(/respool_rebuilds_total\{reason="rolledBack"\} 1\b/);
+
+    // Every free item, and only those, can be reserved; neither allocated one (the snapshot had the later one free).
+    const allocated = (await world.query<{ id: string }>(`SELECT id::text FROM t_resource WHERE state = 2`)).map((row) => row.id);
+    expect(allocated.sort()).toEqual([kept, taken].sort());
+    const handedOut: string[] = [];
+    for (let i = 0; i < 8; i++) {
+      const r = await api.post('/v1/pools/snap/reservations', { owner: `after-${i}`, count: 1 });
+      expect(r.status).toBe(201);
+      handedOut.push(r.body.items[0].resourceId);
+    }
+    expect(handedOut.filter((id) => allocated.includes(id))).toEqual([]);
+    expect((await api.post('/v1/pools/snap/reservations', { owner: 'one-too-many', count: 1 })).body.error.code).toBe('POOL_EXHAUSTED');
+
+    // The later reservation's key, which the snapshot never had, answers with it, as does the earlier one's.
+    const retry = await api.post('/v1/pools/snap/reservations', lateBody, { 'Idempotency-Key': 'order-2' });
+    expect(retry.status).toBe(200);
+    expect(retry.body).toMatchObject({ id: late.body.id, state: 'confirmed' });
+    const earlyRetry = await api.post('/v1/pools/snap/reservations', { owner: 'early', count: 2 }, { 'Idempotency-Key': 'order-1' });
+    expect(earlyRetry.status).toBe(200);
+    expect(earlyRetry.body).toMatchObject({ id: early.body.id, state: 'confirmed' });
+    expect(await withRedis((client) => Promise.all(others.map((key) => client.get(key))))).toEqual(['not respool', 'not respool']);
+  });
+
+  it("no false alarm: a checkpoint step left half done is finished, a missing one starts at Postgres', and concurrent checks never find Redis behind", async () => {
+    const [a, b] = [await world.start({ RECONCILE_INTERVAL_MS: '0' }), await world.start({ RECONCILE_INTERVAL_MS: '0' })];
+    onTestFinished(async () => void (await Promise.all([a.close(), b.close()])));
+    quietSweepers(a, b);
+    const [checkA, checkB] = [a, b].map((instance) => instance.app.get(RebuildService));
+    await eventually(async () => (await a.app.get(HoldStore).rebuildState()) === 'rebuilt', 10_000);
+    await checkA.checkpoint();
+    expect(await redisCheckpoint()).toBe(await postgresCheckpoint());
+
+    // An instance raised Postgres' and died before Redis': the next check does it for it, and the steps go on.
+    const before = await postgresCheckpoint();
+    await world.query(`UPDATE t_redis_checkpoint SET n = n + 1`);
+    expect(await checkB.checkpoint()).toBe(false);
+    expect(await redisCheckpoint()).toBe(before + 1);
+    expect(await checkB.checkpoint()).toBe(false);
+    expect([await postgresCheckpoint(), await redisCheckpoint()]).toEqual([before + 2, before + 2]);
+
+    // No checkpoint in Redis (the first check after a rebuild, or of this version): it starts at Postgres'.
+    await withRedis((client) => client.del(checkpointKey(world.prefix)));
+    expect(await checkA.checkpoint()).toBe(false);
+    expect(await redisCheckpoint()).toBe(await postgresCheckpoint());
+
+    // Two instances checking at once, many times over: the number moves on, and Redis is never found behind.
+    const start = await postgresCheckpoint();
+    const answers = await Promise.all(Array.from({ length: 40 }, (_, i) => (i % 2 === 0 ? checkA : checkB).checkpoint()));
+    expect(answers.filter(Boolean)).toEqual([]);
+    const end = await postgresCheckpoint();
+    expect(end).toBeGreaterThan(start);
+    expect(await redisCheckpoint()).toBeGreaterThanOrEqual(end - 1);
+  });
+
+  it('Redis two steps behind is found; the rebuild drops it only while it is behind, once across instances', async () => {
+    const [a, b] = [await world.start({ RECONCILE_INTERVAL_MS: '0' }), await world.start({ RECONCILE_INTERVAL_MS: '0' })];
+    onTestFinished(async () => void (await Promise.all([a.close(), b.close()])));
+    await seedPool(a, 'behind', numbers(4, '1390000'));
+    quietSweepers(a, b);
+    const [rebuildA, rebuildB] = [a, b].map((instance) => instance.app.get(RebuildService));
+    await rebuildA.checkpoint();
+
+    // Not behind: a rebuild for a rollback drops nothing, and the hold stays.
+    const held = await a.post('/v1/pools/behind/reservations', { owner: 'holder', count: 1 });
+    expect(held.status).toBe(201);
+    expect(await rebuildA.rebuild('rolledBack')).toBe(0);
+    expect((await a.get(`/v1/reservations/${held.body.id}`)).body.state).toBe('held');
+
+    // Two behind: found, and of two instances rebuilding at once, one drops Redis' keys (the hold with them).
+    const postgres = await postgresCheckpoint();
+    await withRedis((client) => client.set(checkpointKey(world.prefix), String(postgres - 2)));
+    expect(await rebuildB.checkpoint()).toBe(true);
+    const generation = await a.app.get(GenerationRepository).current();
+    const free = Number((await world.query(`SELECT count(*) AS n FROM t_resource WHERE state = 1`))[0].n);
+    const added = await Promise.all([rebuildA.rebuild('rolledBack'), rebuildB.rebuild('rolledBack')]);
+    // One rebuilt every free item; the other found Redis no longer behind once it got the job (0), or found the job held.
+    expect(added.filter((n) => n === free)).toHaveLength(1);
+    expect(added.filter((n) => n === 0 || n === null)).toHaveLength(1);
+    await eventually(async () => (await a.app.get(HoldStore).rebuildState()) === 'rebuilt', 10_000);
+    expect(await a.app.get(GenerationRepository).current()).toBe(generation + 1);
+    expect((await a.get(`/v1/reservations/${held.body.id}`)).status).toBe(404);
+    expect(await a.app.get(HoldStore).freeCount('behind')).toBe(4);
+    expect(await redisCheckpoint()).toBeNull(); // dropped: the next check starts it again at Postgres'
+    expect(await rebuildB.checkpoint()).toBe(false);
+    expect(await redisCheckpoint()).toBe(await postgresCheckpoint());
+  });
+});
