@@ -319,7 +319,40 @@ export class HoldStore implements OnApplicationShutdown {
     }
   }
 
+  /**
+   * Each time the connection to Redis is made (at start, after a restart or a failover), Redis may have gone back in
+   * time: until `check` has resolved once since, every reserve first waits for it (one at a time, shared), and a
+   * rejection answers it (a 503), the next one running it again.
+   */
+  checkOnConnect(check: () => Promise<void>): void {
+    this.connectCheck = check;
+    this.redis.on('ready', () => this.connects++);
+  }
+
+  private connectCheck: (() => Promise<void>) | null = null;
+  /** Connections to Redis made so far (the one open when checkOnConnect was called counts as the first). */
+  private connects = 1;
+  /** The count of connections made when the last check that resolved began. */
+  private checkedConnects = 0;
+  private connectChecking: Promise<void> | null = null;
+
+  /** The check reserves wait for, until one resolves on the current connection (see checkOnConnect). */
+  private connectChecked(): Promise<void> | null {
+    if (this.connectCheck === null || this.checkedConnects === this.connects) return null;
+    const connects = this.connects;
+    this.connectChecking ??= this.connectCheck()
+      .then(() => {
+        this.checkedConnects = Math.max(this.checkedConnects, connects);
+      })
+      .finally(() => {
+        this.connectChecking = null;
+      });
+    return this.connectChecking;
+  }
+
   async reserve(pool: string, req: ReserveRequest): Promise<ReserveResult> {
+    const checked = this.connectChecked();
+    if (checked !== null) await checked;
     let reply: string[];
     try {
       reply = await this.run<string[]>(

@@ -8,6 +8,7 @@ import { ResourceRepository } from '../database/resource.repository.js';
 import { MetricsService } from '../metrics/metrics.service.js';
 import { PoolCatalog } from '../pools/pool-catalog.service.js';
 import { isStringRecord } from '../common/validators.js';
+import { DomainError, ErrorCode } from '../common/errors.js';
 import { HoldStore, REBUILDING, RedisCheckpoint, toCachedItem, unfinishedRound } from '../redis/hold-store.repository.js';
 
 const JOB = 'rebuild';
@@ -43,7 +44,9 @@ export class RebuildService {
     private readonly metrics: MetricsService,
     private readonly commits: CommitRepository,
     private readonly config: AppConfig,
-  ) {}
+  ) {
+    holds.checkOnConnect(() => this.checkAfterConnect());
+  }
 
   /**
    * Returns the number of items added to the index, or null when another instance holds the job, or took it
@@ -205,10 +208,33 @@ export class RebuildService {
   }
 
   /** Redis' checkpoint and Postgres', if Redis' is behind (read as checkpoint reads them); null if it is not. */
-  private async behind(): Promise<{ redis: number; postgres: number } | null> {
+  private async behind(): Promise<Behind | null> {
     const postgres = await this.generations.checkpoint();
-    const seen = await this.holds.checkpoint();
-    return isRebuilt(seen) && seen.n !== null && seen.n < postgres - 1 ? { redis: seen.n, postgres } : null;
+    return behindOf(postgres, await this.holds.checkpoint());
+  }
+
+  /**
+   * Runs before the first reserve on each connection to Redis (HoldStore.checkOnConnect): a Redis restored from a
+   * snapshot, or a replica promoted, is met by a new connection, and its first reserve must not hand out items, or make
+   * a new reservation for an Idempotency-Key it lost, before the sweeper's next check finds it behind. Resolves if it is
+   * not. While it is, starts the rebuild that drops it, and answers 503. Should Postgres not answer, reserves go on as
+   * they do while Postgres is down (the sweeper's check finds Redis behind once it answers).
+   */
+  private async checkAfterConnect(): Promise<void> {
+    let postgres: number;
+    try {
+      postgres = await this.generations.checkpoint();
+    } catch {
+      return;
+    }
+    const behind = behindOf(postgres, await this.holds.checkpoint());
+    if (behind === null) return;
+    void this.rebuild('rolledBack').catch((err: unknown) => this.logger.warn(`rebuild (rolledBack) failed: ${String(err)}`));
+    throw new DomainError(
+      ErrorCode.DEPENDENCY_UNAVAILABLE,
+      'redis went back in time (restored from an older snapshot, or failed over to a replica that lagged) and is being rebuilt from postgres; nothing was changed',
+      { dependency: 'redis' },
+    );
   }
 
   /** The version of the job's row this instance holds it at. */
@@ -303,6 +329,16 @@ export class RebuildService {
       await this.renewLease(); // a pool of millions of items takes longer than one lease
     }
   }
+}
+
+interface Behind {
+  redis: number;
+  postgres: number;
+}
+
+/** Redis' checkpoint and Postgres' if Redis' (`seen`, read after `postgres`) is behind; null if it is not. */
+function behindOf(postgres: number, seen: RedisCheckpoint): Behind | null {
+  return isRebuilt(seen) && seen.n !== null && seen.n < postgres - 1 ? { redis: seen.n, postgres } : null;
 }
 
 /** Redis holds state a rebuild finished (neither wiped nor being rebuilt). */

@@ -120,6 +120,40 @@ describe('Redis restored from an older snapshot', () => {
     expect(await withRedis((client) => Promise.all(others.map((key) => client.get(key))))).toEqual(['not respool', 'not respool']);
   });
 
+  it('the first reserves on a new connection to a Redis gone back in time are answered 503 until it is rebuilt: none takes an allocated item or makes a second reservation for a lost key', async () => {
+    const api = await world.start({ RECONCILE_INTERVAL_MS: '0' });
+    onTestFinished(() => api.close());
+    await seedPool(api, 'gate', numbers(3, '1370000'));
+    // Only the check on a new connection may find it: the sweeper's is off.
+    quietSweepers(api);
+    const rebuilder = api.app.get(RebuildService);
+    await eventually(async () => (await api.app.get(HoldStore).rebuildState()) === 'rebuilt', 10_000);
+    await rebuilder.checkpoint();
+    await withRedis((client) => client.save());
+    const body = { owner: 'buyer', count: 1 };
+    const made = await api.post('/v1/pools/gate/reservations', body, { 'Idempotency-Key': 'order-3' });
+    expect(made.status).toBe(201);
+    expect((await api.post(`/v1/reservations/${made.body.id}/confirm`, { resourceIds: [made.body.items[0].resourceId] })).status).toBe(200);
+    for (let i = 0; i < 3; i++) await rebuilder.checkpoint();
+
+    await redis.stop();
+    await redis.start(serverArgs);
+    // The payment system retries: until the instance is connected again, and while Redis is rebuilt, 503; then the
+    // confirmed reservation. Never a new one (the snapshot lacks the key, and has the item free).
+    const answers: { status: number; body: any }[] = [];
+    await eventually(async () => {
+      const r = await api.post('/v1/pools/gate/reservations', body, { 'Idempotency-Key': 'order-3' });
+      answers.push(r);
+      return r.status !== 503;
+    }, 10_000);
+    expect(answers.filter((r) => r.status !== 503)).toEqual([
+      expect.objectContaining({ status: 200, body: expect.objectContaining({ id: made.body.id }) }),
+    ]);
+    expect(answers.some((r) => r.body.error?.code === 'DEPENDENCY_UNAVAILABLE' && /went back in time/.test(r.body.error.message))).toBe(
+      true,
+    );
+  });
+
   it("no false alarm: a checkpoint step left half done is finished, a missing one starts at Postgres', and concurrent checks never find Redis behind", async () => {
     const [a, b] = [await world.start({ RECONCILE_INTERVAL_MS: '0' }), await world.start({ RECONCILE_INTERVAL_MS: '0' })];
     onTestFinished(async () => void (await Promise.all([a.close(), b.close()])));
