@@ -7,7 +7,7 @@
  *   npm run test:chaos -- --full  # longer load between and around faults
  */
 import { Redis } from 'ioredis';
-import { mkdtempSync, writeFileSync } from 'node:fs';
+import { mkdtempSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { poolKeys } from '../../src/redis/keys.js';
@@ -58,12 +58,15 @@ async function api(instance: Instance, method: string, path: string, body?: unkn
   return { status: res.status, body: text ? JSON.parse(text) : undefined };
 }
 
-/** Postgres, Redis and the proxy in front of it; should one fail to start, those started are stopped again. */
-async function startServices(): Promise<{ pg: ChaosPostgres; redis: OwnRedis; proxy: ProxyProcess }> {
+/**
+ * Postgres, Redis and the proxy in front of it; should one fail to start, those started are stopped again. Redis
+ * starts with `redisArgs`, always (it loads the snapshot named there, if there is one).
+ */
+async function startServices(redisArgs: string[]): Promise<{ pg: ChaosPostgres; redis: OwnRedis; proxy: ProxyProcess }> {
   const pg = await ChaosPostgres.create();
   let redis: OwnRedis | undefined;
   try {
-    redis = await OwnRedis.start();
+    redis = await OwnRedis.start(redisArgs);
     return { pg, redis, proxy: await ProxyProcess.start(redis.port) };
   } catch (err) {
     await redis?.stop().catch(() => undefined);
@@ -75,7 +78,10 @@ async function startServices(): Promise<{ pg: ChaosPostgres; redis: OwnRedis; pr
 async function main(): Promise<number> {
   const workDir = mkdtempSync(join(tmpdir(), 'respool-chaos-'));
   say(`${FULL ? 'full' : 'short'} run; logs in ${workDir}`);
-  const { pg, redis, proxy } = await startServices();
+  // Redis writes a snapshot only when told to (SAVE), into the run's directory, and loads it when it starts.
+  const snapshot = join(workDir, 'redis-snapshot.rdb');
+  const redisArgs = ['--dir', workDir, '--dbfilename', 'redis-snapshot.rdb'];
+  const { pg, redis, proxy } = await startServices(redisArgs);
   const env = {
     DATABASE_URL: pg.url,
     REDIS_URL: `redis://127.0.0.1:${proxy.port}`,
@@ -146,8 +152,18 @@ async function main(): Promise<number> {
       await redis.stop();
       const redisLostBy = Date.now();
       await sleep(2000);
-      await redis.start();
+      await redis.start(redisArgs);
       return { redisLostBy };
+    });
+    // Redis goes back in time, its marker kept: the instances find it behind by its checkpoint, drop it and rebuild.
+    await fault('redis restored from a snapshot 4 s old', async () => {
+      await direct.save();
+      await sleep(4000);
+      await redis.stop();
+      const redisLostBy = Date.now();
+      await redis.start(redisArgs);
+      rmSync(snapshot);
+      return { redisLostBy, rollback: true };
     });
     await fault('postgres immediate shutdown', async () => {
       pg.stopImmediate();
@@ -209,6 +225,11 @@ async function main(): Promise<number> {
     if (sampler.samplesWithHolds < 5) verdict.violations.push(`hold sampler saw live holds only ${sampler.samplesWithHolds} times`);
     if (verdict.counts.keyedReplaysAcrossRedisLoss === 0) {
       verdict.violations.push('no keyed reserve was retried, and answered, across a loss of Redis data: the case went untested');
+    }
+    if (verdict.counts.keyedReplaysAcrossRollback === 0) {
+      verdict.violations.push(
+        'no keyed reserve confirmed after the snapshot was retried, and answered, after Redis went back to it: the case went untested',
+      );
     }
     const per503 = Object.fromEntries(
       windows.map((w) => [w.kind, traffic.log.filter((e) => e.status === 503 && e.sentAt <= w.end + 3000 && e.doneAt >= w.start).length]),

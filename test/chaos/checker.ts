@@ -13,6 +13,11 @@ export interface FaultWindow {
    * to anyone: the reserve may have run before the loss. One sent later ran after it.
    */
   redisLostBy?: number;
+  /**
+   * Redis went back to a snapshot taken at `start`: what it was told from then until `redisLostBy` is lost, the
+   * Idempotency-Keys of reservations made then too (the rebuild puts back those of confirmed ones).
+   */
+  rollback?: boolean;
   /** The instance that was paused or killed, if any. */
   instance?: string;
 }
@@ -228,6 +233,7 @@ function checkKeyedRetries(log: Exchange[], windows: FaultWindow[], violations: 
   for (const e of log) if (e.op === 'reserve' && e.status === 201 && e.idempotencyKey) reservationOf.set(e.idempotencyKey, e.answer.id);
   counts.keyedRetries = 0;
   counts.keyedReplaysAcrossRedisLoss = 0;
+  counts.keyedReplaysAcrossRollback = 0;
   for (const e of log) {
     if (e.op !== 'reserve-retry' || !e.idempotencyKey) continue;
     counts.keyedRetries++;
@@ -238,6 +244,13 @@ function checkKeyedRetries(log: Exchange[], windows: FaultWindow[], violations: 
     // Those that Redis lost the key of in between (and the rebuild put back), answered with the reservation.
     if (e.status === 200 && windows.some((w) => w.redisLostBy !== undefined && w.start >= confirmed && w.redisLostBy <= e.sentAt)) {
       counts.keyedReplaysAcrossRedisLoss++;
+    }
+    // Those confirmed after the snapshot Redis went back to: the snapshot never had their key.
+    if (
+      e.status === 200 &&
+      windows.some((w) => w.rollback && w.start <= confirmed && confirmed <= w.redisLostBy! && w.redisLostBy! <= e.sentAt)
+    ) {
+      counts.keyedReplaysAcrossRollback++;
     }
     if (e.status === 201 || (e.status === 200 && (answer?.id !== rid || answer?.state !== 'confirmed'))) {
       violations.push(
