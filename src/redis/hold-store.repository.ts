@@ -7,7 +7,7 @@ import { isRedisOutage } from '../common/dependency-errors.js';
 import { DomainError, ErrorCode } from '../common/errors.js';
 import { Later } from '../common/later.js';
 import { loadScript } from './lua-prelude.js';
-import { checkpointKey, freeMember, legacyAttributeSets, markerKey, ownKeys, poolBase, poolKeys, rebuildRunKey } from './keys.js';
+import { checkpointKey, freeMember, legacyAttributeSets, markerKey, poolBase, poolKeys, poolKeysOf, rebuildRunKey } from './keys.js';
 import { REDIS, REDIS_TIMEOUT_MESSAGE, evictionPolicyOf, evictionRefusal, redisNowMs, warnEachError, withTimeout } from './redis.client.js';
 
 /**
@@ -204,6 +204,17 @@ const MARK_REBUILT = `if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('
  */
 const SET_CHECKPOINT = `if redis.call('GET', KEYS[1]) ~= ARGV[1] or (redis.call('GET', KEYS[2]) or '') ~= ARGV[2] then return 0 end
 redis.call('SET', KEYS[2], ARGV[3]) return 1`;
+/** A pool's generation (KEYS[1]) dropped only if it is ARGV[1] or older (see HoldStore.dropAll). */
+const DROP_GENERATION = `local gen = redis.call('GET', KEYS[1])
+if gen and tonumber(gen) <= tonumber(ARGV[1]) then return redis.call('DEL', KEYS[1]) end return 0`;
+/**
+ * A pool's keys (KEYS[3..]) unlinked only while it has no generation (KEYS[1]) and no rebuild is putting its
+ * Idempotency-Keys back (KEYS[2]); -1 if not.
+ */
+const DROP_POOL_KEYS = `if redis.call('EXISTS', KEYS[1]) == 1 or redis.call('EXISTS', KEYS[2]) == 1 then return -1 end
+return redis.call('UNLINK', unpack(KEYS, 3))`;
+/** The marker (KEYS[1]) and the checkpoint (KEYS[2]) dropped together, only while the marker is ARGV[1]. */
+const DROP_MARKER = `if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end return redis.call('DEL', KEYS[1], KEYS[2])`;
 /** addFree adds nothing from a Postgres read older than this (Redis' clock), well inside a tombstone's life. */
 export const READ_MAX_AGE_MS = TOMBSTONE_MS / 2;
 /**
@@ -778,29 +789,51 @@ export class HoldStore implements OnApplicationShutdown {
   }
 
   /**
-   * Drops every key of this deployment's state (keys.ownKeys), so that Redis is as after a wipe: first the generations
-   * of `pools` (a reserve there finds nothing from then on), then the rest as a walk of the key space finds them, and the
-   * marker and the checkpoint last, in one step. Until then, any instance still finds Redis' checkpoint behind and
-   * starts over, should this one die midway. `afterPage` runs after each page of the walk (to keep the rebuild's lease).
-   * Returns how many keys were dropped.
+   * Drops the keys of `pools` and the marker, so that Redis is as after a wipe (see RebuildService, `rolledBack`):
+   * first each pool's generation (a reserve there finds nothing from then on), then the pool's other keys as a walk of
+   * the key space finds them, then the marker and the checkpoint, in one step. Each step is fenced against an instance
+   * that stalled in it while another rebuilt Redis: a generation is dropped only if it is `generation` or older (read
+   * before the caller found Redis behind; a rebuild since bumped it), a pool's keys only while it has no generation and
+   * no rebuild is putting its Idempotency-Keys back, and the marker only while it is as `seen`. Until the marker goes,
+   * any instance still finds Redis behind and starts over, should this one die midway. `afterPage` runs after each page
+   * of the walk (to keep the rebuild's lease). Returns how many keys were dropped.
    */
-  async dropAll(pools: readonly string[], afterPage: () => Promise<unknown>): Promise<number> {
-    const own = ownKeys(this.prefix);
-    const last = [markerKey(this.prefix), checkpointKey(this.prefix)];
+  async dropAll(
+    seen: RedisCheckpoint & { marker: string },
+    generation: number,
+    pools: readonly string[],
+    afterPage: () => Promise<unknown>,
+  ): Promise<number> {
     let dropped = 0;
-    for (let i = 0; i < pools.length; i += 1000) {
-      const generations = pools.slice(i, i + 1000).map((pool) => poolKeys(this.prefix, pool).generation);
-      dropped += await this.command(() => this.redis.del(...generations));
+    for (const pool of pools) {
+      const keys = poolKeys(this.prefix, pool);
+      dropped += (await this.command(() => this.redis.eval(DROP_GENERATION, 1, keys.generation, generation))) as number;
     }
+    const found = poolKeysOf(this.prefix, pools);
     let cursor = '0';
     do {
-      const [next, keys] = await this.command(() => this.redis.scan(cursor, 'MATCH', own.glob, 'COUNT', 1000));
+      const [next, page] = await this.command(() => this.redis.scan(cursor, 'MATCH', found.glob, 'COUNT', 1000));
       cursor = next;
-      const found = keys.filter((key) => own.matches(key) && !last.includes(key));
-      if (found.length > 0) dropped += await this.command(() => this.redis.unlink(...found));
+      const byPool = new Map<string, string[]>();
+      for (const key of page) {
+        const pool = found.poolOf(key);
+        if (pool !== null) byPool.set(pool, [...(byPool.get(pool) ?? []), key]);
+      }
+      for (const [pool, poolKeyNames] of byPool) {
+        const { generation: gen, keysRound } = poolKeys(this.prefix, pool);
+        const names = poolKeyNames.filter((key) => key !== gen && key !== keysRound);
+        for (let i = 0; i < names.length; i += 500) {
+          const chunk = names.slice(i, i + 500);
+          const reply = (await this.command(() => this.redis.eval(DROP_POOL_KEYS, 2 + chunk.length, gen, keysRound, ...chunk))) as number;
+          if (reply > 0) dropped += reply;
+        }
+      }
       await afterPage();
     } while (cursor !== '0');
-    return dropped + (await this.command(() => this.redis.del(...last)));
+    const last = (await this.command(() =>
+      this.redis.eval(DROP_MARKER, 2, markerKey(this.prefix), checkpointKey(this.prefix), seen.marker),
+    )) as number;
+    return dropped + last;
   }
 
   /**

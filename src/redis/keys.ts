@@ -50,24 +50,28 @@ export function markerKey(prefix: string): string {
 }
 
 /**
- * Redis' copy of the checkpoint (RebuildService.checkpoint): the number Postgres had when an instance last
- * raised it here.
+ * Redis' copy of the checkpoint (RebuildService.checkpoint): the number Postgres had when an instance last raised it
+ * here. Its hash tag is the marker's name, so that a Redis Cluster keeps both in one slot (scripts read them together).
  */
 export function checkpointKey(prefix: string): string {
-  return `${prefix}meta:checkpoint`;
+  return `${prefix}meta:checkpoint{${markerKey(prefix)}}`;
 }
 
 /**
- * The keys of this deployment's state (see HoldStore.dropAll): a glob to scan for, and the exact test of a name. Every
- * pool's keys, the marker, the checkpoint and the rebuild rounds' keys; not another deployment's whose prefix starts
- * with this one (a prefix holds no "{"), nor an older key layout's marker.
+ * The keys of the pools named in `pools` (see HoldStore.dropAll): a glob to scan for, and the pool a key found belongs
+ * to, or null (another pool's, another deployment's whose prefix starts with this one, another application's).
  */
-export function ownKeys(prefix: string): { glob: string; matches: (key: string) => boolean } {
+export function poolKeysOf(prefix: string, pools: readonly string[]): { glob: string; poolOf: (key: string) => string | null } {
   const quoted = prefix.replace(/[.*+?^${}()|[\]\\]/g, '\\$&');
-  const poolKey = new RegExp(`^${quoted}\\{[a-z0-9][a-z0-9_-]*\\}:`);
-  const meta = new Set([markerKey(prefix), checkpointKey(prefix)]);
-  const runs = rebuildRunKey(prefix, '');
-  return { glob: `${prefix}*`, matches: (key) => poolKey.test(key) || meta.has(key) || key.startsWith(runs) };
+  const poolKey = new RegExp(`^${quoted}\\{([a-z0-9][a-z0-9_-]*)\\}:`);
+  const known = new Set(pools);
+  return {
+    glob: `${prefix}{*`,
+    poolOf: (key) => {
+      const pool = poolKey.exec(key)?.[1];
+      return pool !== undefined && known.has(pool) ? pool : null;
+    },
+  };
 }
 
 /** A key only one round of one rebuild writes (`run` names it), so that only a wipe of Redis removes it. */

@@ -91,6 +91,9 @@ export class RebuildService {
       // Redis went back in time, unless another instance has rebuilt it since: what it holds is dropped, and it is
       // rebuilt as after a wipe.
       if (reason === 'rolledBack') {
+        // The generation first: a rebuild by another instance after this one found Redis behind bumps it, and the drop
+        // leaves the pools that rebuild gave a newer one alone, should this instance stall in between.
+        const generation = await this.generations.current();
         const behind = await this.behind();
         if (behind === null) return 0;
         this.logger.error(
@@ -99,12 +102,13 @@ export class RebuildService {
             'and rebuilding them from Postgres as after a wipe',
         );
         const pools = (await this.catalog.all()).map((pool) => pool.name);
-        const dropped = await this.holds.dropAll(pools, () => this.renewLease());
+        const dropped = await this.holds.dropAll(behind.seen, generation, pools, () => this.renewLease());
         this.logger.warn(`rebuild (rolledBack): ${dropped} Redis keys dropped`);
       }
       let added = 0;
       let keys = 0;
       let roundMarker = '';
+      let lastRun = '';
       for (let round = 1; ; round++) {
         // After a wipe, a new Redis generation: commits pinned before it can no longer land (the bump waits
         // for those in flight), so the items the rebuild hands out again are really free.
@@ -115,6 +119,7 @@ export class RebuildService {
         // lease may still write it), and taking that for a wipe would bump the generation for nothing.
         const run = `${this.instanceId}:${started}:${round}:${fresh ? 'fresh' : 'current'}`;
         roundMarker = `${generation}${REBUILDING}${run}`;
+        lastRun = run;
         await this.holds.startRebuildRound(run, roundMarker);
         const pools = await this.catalog.all();
         // Every pool gets the generation before any item is added, so no hold is taken in an older one. In
@@ -150,7 +155,8 @@ export class RebuildService {
       await this.renewLease(true);
       // Nor into a Redis wiped after the last round began (a restart as this rebuild ended, or during a
       // third round): without a marker, the next check sees that wipe and rebuilds.
-      if (!(await this.holds.markRebuilt(roundMarker, `rebuilt:${new Date().toISOString()}`))) {
+      // Never the same value twice (see HoldStore.setCheckpoint): the time and this rebuild's last round.
+      if (!(await this.holds.markRebuilt(roundMarker, `rebuilt:${new Date().toISOString()} ${lastRun}`))) {
         this.logger.warn(
           `rebuild (${reason}): the marker changed after the last round began (Redis wiped, or another instance ` +
             'rebuilding); not marked rebuilt, so the next check rebuilds if Redis was wiped',
@@ -334,11 +340,13 @@ export class RebuildService {
 interface Behind {
   redis: number;
   postgres: number;
+  /** The marker and Redis' checkpoint as read. */
+  seen: RedisCheckpoint & { marker: string };
 }
 
 /** Redis' checkpoint and Postgres' if Redis' (`seen`, read after `postgres`) is behind; null if it is not. */
 function behindOf(postgres: number, seen: RedisCheckpoint): Behind | null {
-  return isRebuilt(seen) && seen.n !== null && seen.n < postgres - 1 ? { redis: seen.n, postgres } : null;
+  return isRebuilt(seen) && seen.n !== null && seen.n < postgres - 1 ? { redis: seen.n, postgres, seen } : null;
 }
 
 /** Redis holds state a rebuild finished (neither wiped nor being rebuilt). */

@@ -57,6 +57,21 @@ describe('Redis restored from an older snapshot', () => {
     onTestFinished(() => spies.forEach((spy) => spy.mockRestore()));
   }
 
+  /** Redis' checkpoint set two behind Postgres', as a Redis that went back in time would have it. */
+  async function makeBehind(): Promise<void> {
+    const postgres = await postgresCheckpoint();
+    await withRedis((client) => client.set(checkpointKey(world.prefix), String(postgres - 2)));
+  }
+
+  /** An instance on this file's Redis whose sweeper leaves the checkpoint and the rebuild alone, once Redis is rebuilt. */
+  async function quietInstance(): Promise<TestInstance> {
+    const instance = await world.start({ RECONCILE_INTERVAL_MS: '0' });
+    onTestFinished(() => instance.close());
+    await eventually(async () => (await instance.app.get(HoldStore).rebuildState()) === 'rebuilt', 10_000);
+    quietSweepers(instance);
+    return instance;
+  }
+
   it("invariants 3 and 5: the snapshot is found behind, dropped and rebuilt; no allocated item is handed out, and a confirmed reservation's Idempotency-Key still answers with it", async () => {
     const api = await world.start({ RECONCILE_INTERVAL_MS: '0' });
     onTestFinished(() => api.close());
@@ -152,14 +167,16 @@ describe('Redis restored from an older snapshot', () => {
     expect(answers.some((r) => r.body.error?.code === 'DEPENDENCY_UNAVAILABLE' && /went back in time/.test(r.body.error.message))).toBe(
       true,
     );
+    // (The rebuild the check started ends before the instance closes, for the tests after this one.)
+    await eventually(async () => (await api.app.get(HoldStore).rebuildState()) === 'rebuilt', 10_000);
   });
 
   it("no false alarm: a checkpoint step left half done is finished, a missing one starts at Postgres', and concurrent checks never find Redis behind", async () => {
     const [a, b] = [await world.start({ RECONCILE_INTERVAL_MS: '0' }), await world.start({ RECONCILE_INTERVAL_MS: '0' })];
     onTestFinished(async () => void (await Promise.all([a.close(), b.close()])));
+    await eventually(async () => (await a.app.get(HoldStore).rebuildState()) === 'rebuilt', 10_000);
     quietSweepers(a, b);
     const [checkA, checkB] = [a, b].map((instance) => instance.app.get(RebuildService));
-    await eventually(async () => (await a.app.get(HoldStore).rebuildState()) === 'rebuilt', 10_000);
     await checkA.checkpoint();
     expect(await redisCheckpoint()).toBe(await postgresCheckpoint());
 
@@ -189,6 +206,7 @@ describe('Redis restored from an older snapshot', () => {
     const [a, b] = [await world.start({ RECONCILE_INTERVAL_MS: '0' }), await world.start({ RECONCILE_INTERVAL_MS: '0' })];
     onTestFinished(async () => void (await Promise.all([a.close(), b.close()])));
     await seedPool(a, 'behind', numbers(4, '1390000'));
+    await eventually(async () => (await a.app.get(HoldStore).rebuildState()) === 'rebuilt', 10_000);
     quietSweepers(a, b);
     const [rebuildA, rebuildB] = [a, b].map((instance) => instance.app.get(RebuildService));
     await rebuildA.checkpoint();
@@ -216,5 +234,116 @@ describe('Redis restored from an older snapshot', () => {
     expect(await redisCheckpoint()).toBeNull(); // dropped: the next check starts it again at Postgres'
     expect(await rebuildB.checkpoint()).toBe(false);
     expect(await redisCheckpoint()).toBe(await postgresCheckpoint());
+  });
+
+  it('a checkpoint write is refused once another instance wrote it, or Redis was rebuilt, since it was read', async () => {
+    const a = await quietInstance();
+    const holds = a.app.get(HoldStore);
+    const rebuilder = a.app.get(RebuildService);
+    await rebuilder.checkpoint();
+    const seen = await holds.checkpoint();
+    await rebuilder.checkpoint(); // another step since the read
+    expect(await holds.setCheckpoint({ ...seen, marker: seen.marker! }, 1)).toBe(false);
+    expect(await redisCheckpoint()).toBe(await postgresCheckpoint());
+
+    // Read with no checkpoint; then Redis is wiped and rebuilt (a new marker, no checkpoint either): the read is stale.
+    await withRedis((client) => client.del(checkpointKey(world.prefix)));
+    const before = await holds.checkpoint();
+    await withRedis((client) => client.flushall());
+    expect(await rebuilder.rebuild('wiped')).not.toBeNull();
+    expect(await holds.setCheckpoint({ ...before, marker: before.marker! }, 1)).toBe(false);
+    expect(await redisCheckpoint()).toBeNull();
+  });
+
+  it("a missing checkpoint starts at a Postgres read made after it was found missing; Postgres' is read before Redis'", async () => {
+    const [a, b] = [await quietInstance(), await quietInstance()];
+    const rebuilder = a.app.get(RebuildService);
+    const generations = a.app.get(GenerationRepository);
+    const read = generations.checkpoint.bind(generations);
+    const spy = vi.spyOn(generations, 'checkpoint');
+    onTestFinished(() => spy.mockRestore());
+
+    // Other instances move Postgres' on between this one's first read and its read of Redis: it starts from where
+    // Postgres is then, not from its first read (two behind, that would be found behind at the next check).
+    await withRedis((client) => client.del(checkpointKey(world.prefix)));
+    spy.mockImplementationOnce(async () => {
+      const n = await read();
+      await world.query(`UPDATE t_redis_checkpoint SET n = n + 3`);
+      return n;
+    });
+    expect(await rebuilder.checkpoint()).toBe(false);
+    expect(await redisCheckpoint()).toBe(await postgresCheckpoint());
+    expect(await rebuilder.checkpoint()).toBe(false);
+
+    // Another instance takes two steps just before this one reads Postgres: Redis, read after, has them too.
+    spy.mockImplementationOnce(async () => {
+      await b.app.get(RebuildService).checkpoint();
+      await b.app.get(RebuildService).checkpoint();
+      return read();
+    });
+    expect(await rebuilder.checkpoint()).toBe(false);
+  });
+
+  it('a rebuild that stalled after it found Redis behind, while another instance rebuilt it, drops nothing of the rebuilt Redis', async () => {
+    const [a, b] = [await quietInstance(), await quietInstance()];
+    await seedPool(a, 'stall', numbers(3, '1360000'));
+    await a.app.get(RebuildService).checkpoint();
+    await makeBehind();
+    // A finds Redis behind (its read of Redis' checkpoint), then stalls before its drop.
+    let resume!: () => void;
+    let reached!: () => void;
+    const stall = new Promise<void>((resolve) => (resume = resolve));
+    const atStall = new Promise<void>((resolve) => (reached = resolve));
+    const holdsA = a.app.get(HoldStore);
+    const read = holdsA.checkpoint.bind(holdsA);
+    const spy = vi.spyOn(holdsA, 'checkpoint').mockImplementationOnce(async () => {
+      const seen = await read();
+      reached();
+      await stall;
+      return seen;
+    });
+    onTestFinished(() => spy.mockRestore());
+    const stalled = a.app.get(RebuildService).rebuild('rolledBack');
+    await atStall;
+
+    // Its lease runs out; B takes the job, drops Redis and rebuilds it; a buyer holds an item of the rebuilt Redis.
+    await world.query(`UPDATE t_job_mutex SET update_time = now() - interval '2 minutes' WHERE job_type = 'rebuild'`);
+    expect(await b.app.get(RebuildService).rebuild('rolledBack')).toBeGreaterThan(0);
+    const generation = await b.app.get(GenerationRepository).current();
+    const held = await b.post('/v1/pools/stall/reservations', { owner: 'after', count: 1 });
+    expect(held.status).toBe(201);
+
+    // A goes on: its drop takes nothing of what B rebuilt, and it stops at its next step (the job is no longer its).
+    resume();
+    expect(await stalled).toBeNull();
+    expect((await b.get(`/v1/reservations/${held.body.id}`)).body.state).toBe('held');
+    expect((await b.post(`/v1/reservations/${held.body.id}/confirm`, { resourceIds: [held.body.items[0].resourceId] })).status).toBe(200);
+    expect(await b.app.get(GenerationRepository).current()).toBe(generation);
+    expect(await b.app.get(HoldStore).rebuildState()).toBe('rebuilt');
+    expect(await b.app.get(HoldStore).freeCount('stall')).toBe(2);
+  });
+
+  it('while a drop runs, reserves find nothing; a drop that dies midway leaves Redis found behind, and is done again', async () => {
+    const a = await quietInstance();
+    await seedPool(a, 'midway', numbers(3, '1350000'));
+    const rebuilder = a.app.get(RebuildService);
+    await rebuilder.checkpoint();
+    // A first reserve: the check of this instance's connection is done, and what follows is the drop's doing.
+    expect((await a.post('/v1/pools/midway/reservations', { owner: 'first', count: 1 })).status).toBe(201);
+    await makeBehind();
+    let during: { status: number; body: any } | undefined;
+    const renew = vi.spyOn(rebuilder as unknown as { renewLease: () => Promise<void> }, 'renewLease').mockImplementationOnce(async () => {
+      // After the first page of the walk: the pools have no generation, so a reserve takes nothing.
+      during = await a.post('/v1/pools/midway/reservations', { owner: 'during', count: 1 });
+      throw new Error('the instance died midway');
+    });
+    onTestFinished(() => renew.mockRestore());
+    await expect(rebuilder.rebuild('rolledBack')).rejects.toThrow('the instance died midway');
+    expect(during?.body.error?.code).toBe('POOL_EXHAUSTED');
+
+    expect(await rebuilder.checkpoint()).toBe(true);
+    expect(await rebuilder.rebuild('rolledBack')).toBeGreaterThan(0);
+    expect(await a.app.get(HoldStore).rebuildState()).toBe('rebuilt');
+    expect((await a.post('/v1/pools/midway/reservations', { owner: 'after', count: 1 })).status).toBe(201);
   });
 });

@@ -4,7 +4,16 @@ import { RateLimiter } from '../../src/common/rate-limiter.js';
 import { bodyHash, stableStringify } from '../../src/common/stable-json.js';
 import { flattenValidationErrors } from '../../src/common/validation.js';
 import { compareIds } from '../../src/redis/hold-store.repository.js';
-import { freeMember, makeReservationId, markerKey, poolBase, poolKeys, poolOfReservationId } from '../../src/redis/keys.js';
+import {
+  checkpointKey,
+  freeMember,
+  makeReservationId,
+  markerKey,
+  poolBase,
+  poolKeys,
+  poolKeysOf,
+  poolOfReservationId,
+} from '../../src/redis/keys.js';
 import { apiState } from '../../src/reservations/reservation.view.js';
 
 describe('Redis keys', () => {
@@ -23,6 +32,22 @@ describe('Redis keys', () => {
     }
     expect(markerKey('rp:')).toBe('rp:meta:rebuilt:3');
     expect(freeMember('138', '7')).toBe('138\u00007');
+  });
+
+  it("keeps the checkpoint under the prefix, in the marker's Redis Cluster slot (its hash tag is the marker's name)", () => {
+    expect(checkpointKey('rp:')).toBe('rp:meta:checkpoint{rp:meta:rebuilt:3}');
+  });
+
+  it("finds the keys of the pools named only: not another pool's, another deployment's or another application's", () => {
+    const own = poolKeysOf('rp:', ['phone-bj']);
+    expect(own.glob).toBe('rp:{*');
+    expect(own.poolOf(poolKeys('rp:', 'phone-bj').hold('5780'))).toBe('phone-bj');
+    expect(own.poolOf(poolKeys('rp:', 'phone-sh').free)).toBeNull();
+    expect(own.poolOf(poolKeys('rp:staging:', 'phone-bj').free)).toBeNull();
+    expect(own.poolOf('rp:meta:rebuilt:3')).toBeNull();
+    const bare = poolKeysOf('', ['phone-bj']);
+    expect(bare.poolOf('{phone-bj}:free')).toBe('phone-bj');
+    expect(bare.poolOf('{user42}:session')).toBeNull();
   });
 
   it('round-trips the pool through a reservation id and rejects anything else', () => {
