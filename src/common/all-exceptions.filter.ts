@@ -25,7 +25,8 @@ export class AllExceptionsFilter implements ExceptionFilter {
     if (mapped.internal) {
       this.logger.error({ reqId, msg: 'unexpected error', stack: exception instanceof Error ? exception.stack : String(exception) });
     } else if (mapped.status === 503) {
-      this.logger.warn({ reqId, msg: `${mapped.body.error.message}: ${String((exception as { cause?: unknown }).cause ?? '')}` });
+      const cause = (exception as { cause?: unknown }).cause;
+      this.logger.warn({ reqId, msg: cause === undefined ? mapped.body.error.message : `${mapped.body.error.message}: ${String(cause)}` });
     }
     void reply.status(mapped.status).header('content-type', 'application/json; charset=utf-8').send(mapped.body);
   }
