@@ -204,6 +204,8 @@ const MARK_REBUILT = `if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('
  */
 const SET_CHECKPOINT = `if redis.call('GET', KEYS[1]) ~= ARGV[1] or (redis.call('GET', KEYS[2]) or '') ~= ARGV[2] then return 0 end
 redis.call('SET', KEYS[2], ARGV[3]) return 1`;
+/** After a check of a new connection to Redis that could not tell (see HoldStore.checkOnConnect), reserves go on this long. */
+const CONNECT_RECHECK_MS = 1000;
 /** A pool's generation (KEYS[1]) dropped only if it is ARGV[1] or older (see HoldStore.dropAll). */
 const DROP_GENERATION = `local gen = redis.call('GET', KEYS[1])
 if gen and tonumber(gen) <= tonumber(ARGV[1]) then return redis.call('DEL', KEYS[1]) end return 0`;
@@ -332,28 +334,34 @@ export class HoldStore implements OnApplicationShutdown {
 
   /**
    * Each time the connection to Redis is made (at start, after a restart or a failover), Redis may have gone back in
-   * time: until `check` has resolved once since, every reserve first waits for it (one at a time, shared), and a
-   * rejection answers it (a 503), the next one running it again.
+   * time: until `check` has resolved true once since, every reserve first waits for it (one at a time, shared), and a
+   * rejection answers it (a 503), the next one running it again. Resolved false (it could not tell: Postgres did not
+   * answer), reserves go on unchecked for a second, and the next one after that runs it again.
    */
-  checkOnConnect(check: () => Promise<void>): void {
+  checkOnConnect(check: () => Promise<boolean>): void {
     this.connectCheck = check;
+    // At 'close' too: ioredis is ready, and sends, a tick before it emits 'ready'.
+    this.redis.on('close', () => this.connects++);
     this.redis.on('ready', () => this.connects++);
   }
 
-  private connectCheck: (() => Promise<void>) | null = null;
-  /** Connections to Redis made so far (the one open when checkOnConnect was called counts as the first). */
+  private connectCheck: (() => Promise<boolean>) | null = null;
+  /** Connections to Redis opened or closed so far (the one open when checkOnConnect was called counts as the first). */
   private connects = 1;
-  /** The count of connections made when the last check that resolved began. */
+  /** The count of connections made when the last check that resolved true began. */
   private checkedConnects = 0;
+  /** Until then, after a check that could not tell, reserves go on unchecked. */
+  private uncheckedUntil = 0;
   private connectChecking: Promise<void> | null = null;
 
-  /** The check reserves wait for, until one resolves on the current connection (see checkOnConnect). */
+  /** The check a reserve waits for, until one resolves true on the current connection (see checkOnConnect). */
   private connectChecked(): Promise<void> | null {
-    if (this.connectCheck === null || this.checkedConnects === this.connects) return null;
+    if (this.connectCheck === null || this.checkedConnects === this.connects || Date.now() < this.uncheckedUntil) return null;
     const connects = this.connects;
     this.connectChecking ??= this.connectCheck()
-      .then(() => {
-        this.checkedConnects = Math.max(this.checkedConnects, connects);
+      .then((checked) => {
+        if (checked) this.checkedConnects = Math.max(this.checkedConnects, connects);
+        else this.uncheckedUntil = Date.now() + CONNECT_RECHECK_MS;
       })
       .finally(() => {
         this.connectChecking = null;
@@ -362,8 +370,8 @@ export class HoldStore implements OnApplicationShutdown {
   }
 
   async reserve(pool: string, req: ReserveRequest): Promise<ReserveResult> {
-    const checked = this.connectChecked();
-    if (checked !== null) await checked;
+    // Again if the connection changed during the check.
+    for (let checked = this.connectChecked(); checked !== null; checked = this.connectChecked()) await checked;
     let reply: string[];
     try {
       reply = await this.run<string[]>(

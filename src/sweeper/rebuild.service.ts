@@ -16,6 +16,8 @@ const LEASE_MS = 30_000;
 const PAGE = 5000;
 /** Rounds a rebuild starts again, at most, after Redis lost a pool's keys during one (see rebuildOnce). */
 const MAX_ROUNDS = 5;
+/** How long the check of a new connection to Redis waits for Postgres (see checkAfterConnect). */
+const CONNECT_CHECK_MS = 1000;
 
 /**
  * `unfinished`: the marker says a rebuild began, and none holds the job (it failed, or its instance died). `rolledBack`:
@@ -193,8 +195,9 @@ export class RebuildService {
   async checkpoint(): Promise<boolean> {
     const postgres = await this.generations.checkpoint();
     const seen = await this.holds.checkpoint();
-    // Wiped, or being rebuilt: the rebuild sees to it.
-    if (!isRebuilt(seen)) return false;
+    // Wiped: the rebuild sees to it. (While a rebuild runs, the checkpoint goes on: a Redis restored from a snapshot
+    // taken then, or a rebuild that ends in a Redis that went back in time meanwhile, is found too.)
+    if (!hasMarker(seen)) return false;
     if (seen.n === null) {
       // The first check since a rebuild (or of this version): Redis starts at Postgres' number, read after the key was
       // seen missing (a number read before might be one that Postgres has since moved past).
@@ -222,19 +225,20 @@ export class RebuildService {
   /**
    * Runs before the first reserve on each connection to Redis (HoldStore.checkOnConnect): a Redis restored from a
    * snapshot, or a replica promoted, is met by a new connection, and its first reserve must not hand out items, or make
-   * a new reservation for an Idempotency-Key it lost, before the sweeper's next check finds it behind. Resolves if it is
-   * not. While it is, starts the rebuild that drops it, and answers 503. Should Postgres not answer, reserves go on as
-   * they do while Postgres is down (the sweeper's check finds Redis behind once it answers).
+   * a new reservation for an Idempotency-Key it lost, before the sweeper's next check finds it behind. Resolves true if
+   * it is not. While it is, starts the rebuild that drops it, and answers 503. Should Postgres not answer within a
+   * second, resolves false: reserves go on, as they do while Postgres is down, and the check is made again later.
    */
-  private async checkAfterConnect(): Promise<void> {
-    let postgres: number;
-    try {
-      postgres = await this.generations.checkpoint();
-    } catch {
-      return;
-    }
+  private async checkAfterConnect(): Promise<boolean> {
+    let timer: NodeJS.Timeout | undefined;
+    const postgres = await Promise.race([
+      this.generations.checkpoint().catch(() => null),
+      new Promise<null>((resolve) => (timer = setTimeout(() => resolve(null), CONNECT_CHECK_MS))),
+    ]);
+    clearTimeout(timer);
+    if (postgres === null) return false;
     const behind = behindOf(postgres, await this.holds.checkpoint());
-    if (behind === null) return;
+    if (behind === null) return true;
     void this.rebuild('rolledBack').catch((err: unknown) => this.logger.warn(`rebuild (rolledBack) failed: ${String(err)}`));
     throw new DomainError(
       ErrorCode.DEPENDENCY_UNAVAILABLE,
@@ -346,10 +350,10 @@ interface Behind {
 
 /** Redis' checkpoint and Postgres' if Redis' (`seen`, read after `postgres`) is behind; null if it is not. */
 function behindOf(postgres: number, seen: RedisCheckpoint): Behind | null {
-  return isRebuilt(seen) && seen.n !== null && seen.n < postgres - 1 ? { redis: seen.n, postgres, seen } : null;
+  return hasMarker(seen) && seen.n !== null && seen.n < postgres - 1 ? { redis: seen.n, postgres, seen } : null;
 }
 
-/** Redis holds state a rebuild finished (neither wiped nor being rebuilt). */
-function isRebuilt(seen: RedisCheckpoint): seen is RedisCheckpoint & { marker: string } {
-  return seen.marker !== null && unfinishedRound(seen.marker) === null;
+/** Redis has a rebuilt-marker (rebuilt, or being rebuilt): it was not wiped. */
+function hasMarker(seen: RedisCheckpoint): seen is RedisCheckpoint & { marker: string } {
+  return seen.marker !== null;
 }

@@ -186,7 +186,7 @@ export class SweeperService implements OnApplicationBootstrap, OnModuleDestroy {
     // Redis restored from an older snapshot, or failed over to a replica that lagged, keeps a marker: the checkpoint
     // tells.
     let rolledBack = false;
-    if (state === 'rebuilt' && (startup || now - this.lastCheckpoint >= CHECKPOINT_GAP_MS)) {
+    if (state !== 'missing' && (startup || now - this.lastCheckpoint >= CHECKPOINT_GAP_MS)) {
       this.lastCheckpoint = now;
       rolledBack = await this.rebuilder.checkpoint();
     }

@@ -7,7 +7,7 @@ import { HoldStore } from '../../src/redis/hold-store.repository.js';
 import { checkpointKey, poolKeys } from '../../src/redis/keys.js';
 import { RebuildService } from '../../src/sweeper/rebuild.service.js';
 import { SweeperService } from '../../src/sweeper/sweeper.service.js';
-import { TestInstance, TestWorld, eventually, numbers, seedPool } from '../support/harness.js';
+import { TestInstance, TestWorld, eventually, numbers, seedPool, sleep } from '../support/harness.js';
 import { OwnRedis } from '../support/services.js';
 
 // Invariants 3 and 5 when Redis goes back in time: restored from an older snapshot (or failed over to a replica that
@@ -153,17 +153,17 @@ describe('Redis restored from an older snapshot', () => {
 
     await redis.stop();
     await redis.start(serverArgs);
-    // The payment system retries: until the instance is connected again, and while Redis is rebuilt, 503; then the
-    // confirmed reservation. Never a new one (the snapshot lacks the key, and has the item free).
+    // The payment system retries: until the instance is connected again, and while Redis is dropped, 503; then, while
+    // the pool waits for its keys and its generation, 409 POOL_EXHAUSTED (as after a wipe); then the confirmed
+    // reservation. Never a new one (the snapshot lacks the key, and has the item free).
     const answers: { status: number; body: any }[] = [];
     await eventually(async () => {
       const r = await api.post('/v1/pools/gate/reservations', body, { 'Idempotency-Key': 'order-3' });
       answers.push(r);
-      return r.status !== 503;
+      return r.status !== 503 && !(r.status === 409 && r.body.error.code === 'POOL_EXHAUSTED');
     }, 10_000);
-    expect(answers.filter((r) => r.status !== 503)).toEqual([
-      expect.objectContaining({ status: 200, body: expect.objectContaining({ id: made.body.id }) }),
-    ]);
+    expect(answers.at(-1)).toMatchObject({ status: 200, body: { id: made.body.id, state: 'confirmed' } });
+    expect(answers.slice(0, -1).filter((r) => r.status !== 503 && r.status !== 409)).toEqual([]);
     expect(answers.some((r) => r.body.error?.code === 'DEPENDENCY_UNAVAILABLE' && /went back in time/.test(r.body.error.message))).toBe(
       true,
     );
@@ -345,5 +345,89 @@ describe('Redis restored from an older snapshot', () => {
     expect(await rebuilder.rebuild('rolledBack')).toBeGreaterThan(0);
     expect(await a.app.get(HoldStore).rebuildState()).toBe('rebuilt');
     expect((await a.post('/v1/pools/midway/reservations', { owner: 'after', count: 1 })).status).toBe(201);
+  });
+
+  it('a Redis whose marker says a rebuild is running is found behind too, and the checkpoint goes on meanwhile', async () => {
+    const a = await quietInstance();
+    const holds = a.app.get(HoldStore);
+    const rebuilder = a.app.get(RebuildService);
+    const marker = (await holds.marker())!;
+    onTestFinished(() => holds.setMarker(marker));
+    // As restored from a snapshot taken while a rebuild ran (or as a rebuild that ends in such a Redis finds it).
+    await holds.setMarker('7 rebuilding:another-instance:1:1:current');
+    await rebuilder.checkpoint();
+    const before = await postgresCheckpoint();
+    expect(await rebuilder.checkpoint()).toBe(false);
+    expect(await postgresCheckpoint()).toBe(before + 1);
+    await makeBehind();
+    expect(await rebuilder.checkpoint()).toBe(true);
+  });
+
+  it('a check of a new connection that Postgres cannot answer lets reserves go on, and is made again a second later', async () => {
+    const a = await quietInstance();
+    await seedPool(a, 'unchecked', numbers(3, '1340000'));
+    await a.app.get(RebuildService).checkpoint();
+    await makeBehind();
+    const generations = a.app.get(GenerationRepository);
+    const spy = vi.spyOn(generations, 'checkpoint').mockRejectedValueOnce(new Error('postgres is down'));
+    onTestFinished(() => spy.mockRestore());
+    // A new connection: the server closes the instance's, which ioredis opens again.
+    await withRedis((client) => client.client('KILL', 'TYPE', 'normal', 'SKIPME', 'yes'));
+    await eventually(
+      async () => (await a.post('/v1/pools/unchecked/reservations', { owner: 'while-down', count: 1 })).status === 201,
+      5000,
+    );
+    expect(spy).toHaveBeenCalled();
+    await sleep(1100);
+    const later = await a.post('/v1/pools/unchecked/reservations', { owner: 'once-up', count: 1 });
+    expect(later.body.error?.code).toBe('DEPENDENCY_UNAVAILABLE');
+    await eventually(async () => (await a.app.get(HoldStore).rebuildState()) === 'rebuilt' && (await redisCheckpoint()) === null, 10_000);
+  });
+
+  it("a holder that stalled after its check and wakes while another instance puts a pool's Idempotency-Keys back leaves them", async () => {
+    const [a, b] = [await quietInstance(), await quietInstance()];
+    await seedPool(a, 'restore', numbers(3, '1330000'));
+    const body = { owner: 'buyer', count: 1 };
+    const made = await a.post('/v1/pools/restore/reservations', body, { 'Idempotency-Key': 'order-9' });
+    expect((await a.post(`/v1/reservations/${made.body.id}/confirm`, { resourceIds: [made.body.items[0].resourceId] })).status).toBe(200);
+    await a.app.get(RebuildService).checkpoint();
+    await makeBehind();
+
+    // A finds Redis behind, then stalls.
+    /** The next call of `method` that `when` picks pauses after it has run, until resumed. */
+    const pauseAfter = <T extends object>(target: T, method: keyof T & string, when: (...args: any[]) => boolean = () => true) => {
+      let resume!: () => void;
+      let reached!: () => void;
+      const resumed = new Promise<void>((resolve) => (resume = resolve));
+      const atPause = new Promise<void>((resolve) => (reached = resolve));
+      const original = (target[method] as (...args: unknown[]) => Promise<unknown>).bind(target);
+      let paused = false;
+      const spy = vi.spyOn(target, method as never).mockImplementation((async (...args: unknown[]) => {
+        const result = await original(...args);
+        if (!paused && when(...args)) {
+          paused = true;
+          reached();
+          await resumed;
+        }
+        return result;
+      }) as never);
+      onTestFinished(() => spy.mockRestore());
+      return { resume, atPause };
+    };
+    const stallA = pauseAfter(a.app.get(HoldStore), 'checkpoint');
+    const stalled = a.app.get(RebuildService).rebuild('rolledBack');
+    await stallA.atPause;
+    // B takes the job, drops Redis, and stalls after it put the pools' keys back, before their generations.
+    await world.query(`UPDATE t_job_mutex SET update_time = now() - interval '2 minutes' WHERE job_type = 'rebuild'`);
+    const stallB = pauseAfter(b.app.get(HoldStore), 'restoreIdempotencyKeys', (pool: string) => pool === 'restore');
+    const rebuilding = b.app.get(RebuildService).rebuild('rolledBack');
+    await stallB.atPause;
+    // A wakes, and drops what it may: nothing of the pool whose keys are being put back.
+    stallA.resume();
+    expect(await stalled).toBeNull();
+    stallB.resume();
+    expect(await rebuilding).toBeGreaterThan(0);
+    const retry = await b.post('/v1/pools/restore/reservations', body, { 'Idempotency-Key': 'order-9' });
+    expect(retry).toMatchObject({ status: 200, body: { id: made.body.id, state: 'confirmed' } });
   });
 });
