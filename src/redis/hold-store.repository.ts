@@ -215,8 +215,15 @@ if gen and tonumber(gen) <= tonumber(ARGV[1]) then return redis.call('DEL', KEYS
  */
 const DROP_POOL_KEYS = `if redis.call('EXISTS', KEYS[1]) == 1 or redis.call('EXISTS', KEYS[2]) == 1 then return -1 end
 return redis.call('UNLINK', unpack(KEYS, 3))`;
-/** The marker (KEYS[1]) and the checkpoint (KEYS[2]) dropped together, only while the marker is ARGV[1]. */
-const DROP_MARKER = `if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end return redis.call('DEL', KEYS[1], KEYS[2])`;
+/**
+ * The marker (KEYS[1]) dropped while it is ARGV[1], and the checkpoint (KEYS[2]) while it is still behind Postgres'
+ * ARGV[2] (two or more below it: one started again since is not), in one step.
+ */
+const DROP_MARKER = `local dropped = 0
+if redis.call('GET', KEYS[1]) == ARGV[1] then dropped = dropped + redis.call('DEL', KEYS[1]) end
+local n = redis.call('GET', KEYS[2])
+if n and tonumber(n) < tonumber(ARGV[2]) - 1 then dropped = dropped + redis.call('DEL', KEYS[2]) end
+return dropped`;
 /** addFree adds nothing from a Postgres read older than this (Redis' clock), well inside a tombstone's life. */
 export const READ_MAX_AGE_MS = TOMBSTONE_MS / 2;
 /**
@@ -361,7 +368,8 @@ export class HoldStore implements OnApplicationShutdown {
     this.connectChecking ??= this.connectCheck()
       .then((checked) => {
         if (checked) this.checkedConnects = Math.max(this.checkedConnects, connects);
-        else this.uncheckedUntil = Date.now() + CONNECT_RECHECK_MS;
+        // (Not if the connection changed meanwhile: the new one waits for a check of its own.)
+        else if (this.connects === connects) this.uncheckedUntil = Date.now() + CONNECT_RECHECK_MS;
       })
       .finally(() => {
         this.connectChecking = null;
@@ -802,12 +810,15 @@ export class HoldStore implements OnApplicationShutdown {
    * the key space finds them, then the marker and the checkpoint, in one step. Each step is fenced against an instance
    * that stalled in it while another rebuilt Redis: a generation is dropped only if it is `generation` or older (read
    * before the caller found Redis behind; a rebuild since bumped it), a pool's keys only while it has no generation and
-   * no rebuild is putting its Idempotency-Keys back, and the marker only while it is as `seen`. Until the marker goes,
-   * any instance still finds Redis behind and starts over, should this one die midway. `afterPage` runs after each page
-   * of the walk (to keep the rebuild's lease). Returns how many keys were dropped.
+   * no rebuild is putting its Idempotency-Keys back, the marker only while it is as `seen`, and the checkpoint only
+   * while it is still behind `postgres`, the Postgres checkpoint read with it (one started again since is not; a
+   * stalled rebuild round may have written its own marker meanwhile). Until then, any instance still finds Redis
+   * behind and starts over, should this one die midway. `afterPage` runs after each page of the walk (to keep the
+   * rebuild's lease). Returns how many keys were dropped.
    */
   async dropAll(
     seen: RedisCheckpoint & { marker: string },
+    postgres: number,
     generation: number,
     pools: readonly string[],
     afterPage: () => Promise<unknown>,
@@ -825,7 +836,10 @@ export class HoldStore implements OnApplicationShutdown {
       const byPool = new Map<string, string[]>();
       for (const key of page) {
         const pool = found.poolOf(key);
-        if (pool !== null) byPool.set(pool, [...(byPool.get(pool) ?? []), key]);
+        if (pool === null) continue;
+        const list = byPool.get(pool);
+        if (list) list.push(key);
+        else byPool.set(pool, [key]);
       }
       for (const [pool, poolKeyNames] of byPool) {
         const { generation: gen, keysRound } = poolKeys(this.prefix, pool);
@@ -839,7 +853,7 @@ export class HoldStore implements OnApplicationShutdown {
       await afterPage();
     } while (cursor !== '0');
     const last = (await this.command(() =>
-      this.redis.eval(DROP_MARKER, 2, markerKey(this.prefix), checkpointKey(this.prefix), seen.marker),
+      this.redis.eval(DROP_MARKER, 2, markerKey(this.prefix), checkpointKey(this.prefix), seen.marker, postgres),
     )) as number;
     return dropped + last;
   }

@@ -104,7 +104,7 @@ export class RebuildService {
             'and rebuilding them from Postgres as after a wipe',
         );
         const pools = (await this.catalog.all()).map((pool) => pool.name);
-        const dropped = await this.holds.dropAll(behind.seen, generation, pools, () => this.renewLease());
+        const dropped = await this.holds.dropAll(behind.seen, behind.postgres, generation, pools, () => this.renewLease());
         this.logger.warn(`rebuild (rolledBack): ${dropped} Redis keys dropped`);
       }
       let added = 0;

@@ -430,4 +430,23 @@ describe('Redis restored from an older snapshot', () => {
     const retry = await b.post('/v1/pools/restore/reservations', body, { 'Idempotency-Key': 'order-9' });
     expect(retry).toMatchObject({ status: 200, body: { id: made.body.id, state: 'confirmed' } });
   });
+
+  it('a rebuild round of a stalled instance that writes its marker during a drop does not keep the checkpoint behind: the rebuilt Redis is not dropped again', async () => {
+    const a = await quietInstance();
+    await seedPool(a, 'round', numbers(3, '1320000'));
+    const rebuilder = a.app.get(RebuildService);
+    await rebuilder.checkpoint();
+    await makeBehind();
+    const renew = vi.spyOn(rebuilder as unknown as { renewLease: () => Promise<void> }, 'renewLease').mockImplementationOnce(async () => {
+      // Mid-drop: an instance whose lease ran out while it stalled starts a round (it writes the marker unfenced).
+      await a.app.get(HoldStore).setMarker('3 rebuilding:stalled-instance:1:1:current');
+    });
+    onTestFinished(() => renew.mockRestore());
+    expect(await rebuilder.rebuild('rolledBack')).toBeGreaterThan(0);
+    const held = await a.post('/v1/pools/round/reservations', { owner: 'after', count: 1 });
+    expect(held.status).toBe(201);
+    expect(await rebuilder.checkpoint()).toBe(false);
+    expect(await rebuilder.checkpoint()).toBe(false);
+    expect((await a.post(`/v1/reservations/${held.body.id}/confirm`, { resourceIds: [held.body.items[0].resourceId] })).status).toBe(200);
+  });
 });
