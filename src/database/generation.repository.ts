@@ -43,11 +43,21 @@ export class GenerationRepository {
     return Number(rows[0].n);
   }
 
-  /** Raises Postgres' Redis checkpoint from `from` to `to`; false, and nothing changed, if it no longer was `from`. */
-  async advanceCheckpoint(from: number, to: number): Promise<boolean> {
+  /**
+   * Raises Postgres' Redis checkpoint from `from` to `to`, if it was last raised `minGapMs` ago or more (however many
+   * instances try: a step takes about as long whatever their number); false, and nothing changed, if it no longer was
+   * `from` (another instance raised it) or was raised too recently.
+   */
+  async advanceCheckpoint(from: number, to: number, minGapMs: number): Promise<boolean> {
     // As a SELECT: TypeORM answers an UPDATE's query with [rows, count].
     const rows: unknown[] = await pg(() =>
-      this.db.query(`WITH raised AS (UPDATE t_redis_checkpoint SET n = $2 WHERE n = $1 RETURNING n) SELECT n FROM raised`, [from, to]),
+      this.db.query(
+        `WITH raised AS (
+           UPDATE t_redis_checkpoint SET n = $2, raised_at = now()
+            WHERE n = $1 AND raised_at <= now() - $3 * interval '1 millisecond' RETURNING n)
+         SELECT n FROM raised`,
+        [from, to, minGapMs],
+      ),
     );
     return rows.length === 1;
   }

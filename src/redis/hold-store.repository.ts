@@ -206,6 +206,7 @@ const SET_CHECKPOINT = `if redis.call('GET', KEYS[1]) ~= ARGV[1] or (redis.call(
 redis.call('SET', KEYS[2], ARGV[3]) return 1`;
 /** After a check of a new connection to Redis that could not tell (see HoldStore.checkOnConnect), reserves go on this long. */
 const CONNECT_RECHECK_MS = 1000;
+const CONNECT_RECHECK_MAX_MS = 16_000;
 /** A pool's generation (KEYS[1]) dropped only if it is ARGV[1] or older (see HoldStore.dropAll). */
 const DROP_GENERATION = `local gen = redis.call('GET', KEYS[1])
 if gen and tonumber(gen) <= tonumber(ARGV[1]) then return redis.call('DEL', KEYS[1]) end return 0`;
@@ -343,7 +344,8 @@ export class HoldStore implements OnApplicationShutdown {
    * Each time the connection to Redis is made (at start, after a restart or a failover), Redis may have gone back in
    * time: until `check` has resolved true once since, every reserve first waits for it (one at a time, shared), and a
    * rejection answers it (a 503), the next one running it again. Resolved false (it could not tell: Postgres did not
-   * answer), reserves go on unchecked for a second, and the next one after that runs it again.
+   * answer), reserves go on unchecked for a second, and the next one after that runs it again (after two seconds the
+   * next time in a row, then four, up to 16).
    */
   checkOnConnect(check: () => Promise<boolean>): void {
     this.connectCheck = check;
@@ -359,6 +361,8 @@ export class HoldStore implements OnApplicationShutdown {
   private checkedConnects = 0;
   /** Until then, after a check that could not tell, reserves go on unchecked. */
   private uncheckedUntil = 0;
+  /** Checks in a row that could not tell. */
+  private uncheckedInARow = 0;
   private connectChecking: Promise<void> | null = null;
 
   /** The check a reserve waits for, until one resolves true on the current connection (see checkOnConnect). */
@@ -367,9 +371,15 @@ export class HoldStore implements OnApplicationShutdown {
     const connects = this.connects;
     this.connectChecking ??= this.connectCheck()
       .then((checked) => {
-        if (checked) this.checkedConnects = Math.max(this.checkedConnects, connects);
-        // (Not if the connection changed meanwhile: the new one waits for a check of its own.)
-        else if (this.connects === connects) this.uncheckedUntil = Date.now() + CONNECT_RECHECK_MS;
+        if (checked) {
+          this.checkedConnects = Math.max(this.checkedConnects, connects);
+          this.uncheckedInARow = 0;
+        } else if (this.connects === connects) {
+          // (Not if the connection changed meanwhile: the new one waits for a check of its own.) Longer each time in a
+          // row: a Postgres that hangs does not hold every reserve up once a second.
+          this.uncheckedUntil = Date.now() + Math.min(CONNECT_RECHECK_MS * 2 ** this.uncheckedInARow, CONNECT_RECHECK_MAX_MS);
+          this.uncheckedInARow++;
+        }
       })
       .finally(() => {
         this.connectChecking = null;

@@ -16,6 +16,8 @@ const LEASE_MS = 30_000;
 const PAGE = 5000;
 /** Rounds a rebuild starts again, at most, after Redis lost a pool's keys during one (see rebuildOnce). */
 const MAX_ROUNDS = 5;
+/** A step of the checkpoint (see checkpoint) at most this often, however many instances take them. */
+export const CHECKPOINT_STEP_MS = 900;
 /** How long the check of a new connection to Redis waits for Postgres (see checkAfterConnect). */
 const CONNECT_CHECK_MS = 1000;
 
@@ -189,8 +191,9 @@ export class RebuildService {
    * number kept in Postgres and in Redis. An instance raises Postgres' from `p` only after it read Redis' at `p` or
    * more, then raises Redis' to match (unless Redis was rebuilt, or another instance wrote it, since it read it). So
    * Redis' is never more than one behind Postgres', though an instance may stall between the two writes: read in that
-   * order, Redis' below Postgres' minus one means Redis lost writes. The loss is found once Redis' copy is two steps
-   * old: about two seconds with one instance (less with more). Returns true then, and the caller rebuilds.
+   * order, Redis' below Postgres' minus one means Redis lost writes. A step is taken at most every CHECKPOINT_STEP_MS,
+   * however many instances try, so the loss is found once Redis' copy is two steps old: about two seconds. Returns true
+   * then, and the caller rebuilds.
    */
   async checkpoint(): Promise<boolean> {
     const postgres = await this.generations.checkpoint();
@@ -212,7 +215,7 @@ export class RebuildService {
     }
     // Redis has caught up (Redis ahead only if Postgres itself went back: it jumps past Redis).
     const next = seen.n + 1;
-    if (await this.generations.advanceCheckpoint(postgres, next)) await this.holds.setCheckpoint(seen, next);
+    if (await this.generations.advanceCheckpoint(postgres, next, CHECKPOINT_STEP_MS)) await this.holds.setCheckpoint(seen, next);
     return false;
   }
 

@@ -57,6 +57,14 @@ describe('Redis restored from an older snapshot', () => {
     onTestFinished(() => spies.forEach((spy) => spy.mockRestore()));
   }
 
+  /** Postgres' checkpoint as if last raised long ago: the next check may take a step at once. */
+  const ageCheckpoint = () => world.query(`UPDATE t_redis_checkpoint SET raised_at = now() - interval '1 minute'`);
+  /** A check that may take a step. */
+  async function step(rebuilder: RebuildService): Promise<boolean> {
+    await ageCheckpoint();
+    return rebuilder.checkpoint();
+  }
+
   /** Redis' checkpoint set two behind Postgres', as a Redis that went back in time would have it. */
   async function makeBehind(): Promise<void> {
     const postgres = await postgresCheckpoint();
@@ -149,7 +157,7 @@ describe('Redis restored from an older snapshot', () => {
     const made = await api.post('/v1/pools/gate/reservations', body, { 'Idempotency-Key': 'order-3' });
     expect(made.status).toBe(201);
     expect((await api.post(`/v1/reservations/${made.body.id}/confirm`, { resourceIds: [made.body.items[0].resourceId] })).status).toBe(200);
-    for (let i = 0; i < 3; i++) await rebuilder.checkpoint();
+    for (let i = 0; i < 3; i++) await step(rebuilder);
 
     await redis.stop();
     await redis.start(serverArgs);
@@ -182,7 +190,7 @@ describe('Redis restored from an older snapshot', () => {
 
     // An instance raised Postgres' and died before Redis': the next check does it for it, and the steps go on.
     const before = await postgresCheckpoint();
-    await world.query(`UPDATE t_redis_checkpoint SET n = n + 1`);
+    await world.query(`UPDATE t_redis_checkpoint SET n = n + 1, raised_at = now() - interval '1 minute'`);
     expect(await checkB.checkpoint()).toBe(false);
     expect(await redisCheckpoint()).toBe(before + 1);
     expect(await checkB.checkpoint()).toBe(false);
@@ -193,12 +201,14 @@ describe('Redis restored from an older snapshot', () => {
     expect(await checkA.checkpoint()).toBe(false);
     expect(await redisCheckpoint()).toBe(await postgresCheckpoint());
 
-    // Two instances checking at once, many times over: the number moves on, and Redis is never found behind.
+    // Two instances checking at once, many times over: the number moves on once (a step at most every 900 ms, however
+    // many check), and Redis is never found behind.
+    await ageCheckpoint();
     const start = await postgresCheckpoint();
     const answers = await Promise.all(Array.from({ length: 40 }, (_, i) => (i % 2 === 0 ? checkA : checkB).checkpoint()));
     expect(answers.filter(Boolean)).toEqual([]);
     const end = await postgresCheckpoint();
-    expect(end).toBeGreaterThan(start);
+    expect(end).toBe(start + 1);
     expect(await redisCheckpoint()).toBeGreaterThanOrEqual(end - 1);
   });
 
@@ -242,7 +252,7 @@ describe('Redis restored from an older snapshot', () => {
     const rebuilder = a.app.get(RebuildService);
     await rebuilder.checkpoint();
     const seen = await holds.checkpoint();
-    await rebuilder.checkpoint(); // another step since the read
+    await step(rebuilder); // another step since the read
     expect(await holds.setCheckpoint({ ...seen, marker: seen.marker! }, 1)).toBe(false);
     expect(await redisCheckpoint()).toBe(await postgresCheckpoint());
 
@@ -277,8 +287,8 @@ describe('Redis restored from an older snapshot', () => {
 
     // Another instance takes two steps just before this one reads Postgres: Redis, read after, has them too.
     spy.mockImplementationOnce(async () => {
-      await b.app.get(RebuildService).checkpoint();
-      await b.app.get(RebuildService).checkpoint();
+      await step(b.app.get(RebuildService));
+      await step(b.app.get(RebuildService));
       return read();
     });
     expect(await rebuilder.checkpoint()).toBe(false);
@@ -357,30 +367,50 @@ describe('Redis restored from an older snapshot', () => {
     await holds.setMarker('7 rebuilding:another-instance:1:1:current');
     await rebuilder.checkpoint();
     const before = await postgresCheckpoint();
-    expect(await rebuilder.checkpoint()).toBe(false);
+    expect(await step(rebuilder)).toBe(false);
     expect(await postgresCheckpoint()).toBe(before + 1);
     await makeBehind();
     expect(await rebuilder.checkpoint()).toBe(true);
   });
 
-  it('a check of a new connection that Postgres cannot answer lets reserves go on, and is made again a second later', async () => {
+  it('a check of a new connection that Postgres cannot answer lets reserves go on, and is made again 1 s later, then 2 s later', async () => {
     const a = await quietInstance();
     await seedPool(a, 'unchecked', numbers(3, '1340000'));
     await a.app.get(RebuildService).checkpoint();
     await makeBehind();
     const generations = a.app.get(GenerationRepository);
-    const spy = vi.spyOn(generations, 'checkpoint').mockRejectedValueOnce(new Error('postgres is down'));
+    const spy = vi
+      .spyOn(generations, 'checkpoint')
+      .mockRejectedValueOnce(new Error('postgres is down'))
+      .mockRejectedValueOnce(new Error('postgres is down'));
     onTestFinished(() => spy.mockRestore());
-    // A new connection: the server closes the instance's, which ioredis opens again.
+    // A new connection: the server closes the instance's, which ioredis opens again (a command that waits for no check
+    // tells when it is back).
     await withRedis((client) => client.client('KILL', 'TYPE', 'normal', 'SKIPME', 'yes'));
     await eventually(
-      async () => (await a.post('/v1/pools/unchecked/reservations', { owner: 'while-down', count: 1 })).status === 201,
+      () =>
+        a.app
+          .get(HoldStore)
+          .clock()
+          .then(
+            () => true,
+            () => false,
+          ),
       5000,
     );
-    expect(spy).toHaveBeenCalled();
+    const reserve = (owner: string) => a.post('/v1/pools/unchecked/reservations', { owner, count: 1 });
+    expect((await reserve('while-down')).status).toBe(201);
+    expect(spy).toHaveBeenCalledTimes(1);
     await sleep(1100);
-    const later = await a.post('/v1/pools/unchecked/reservations', { owner: 'once-up', count: 1 });
+    expect((await reserve('still-down')).status).toBe(201);
+    expect(spy).toHaveBeenCalledTimes(2);
+    await sleep(1100); // within the 2 s after the second: not checked
+    expect((await reserve('unchecked')).status).toBe(201);
+    expect(spy).toHaveBeenCalledTimes(2);
+    await sleep(1000);
+    const later = await reserve('once-up');
     expect(later.body.error?.code).toBe('DEPENDENCY_UNAVAILABLE');
+    expect(spy).toHaveBeenCalledTimes(3);
     await eventually(async () => (await a.app.get(HoldStore).rebuildState()) === 'rebuilt' && (await redisCheckpoint()) === null, 10_000);
   });
 
