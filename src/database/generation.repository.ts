@@ -45,8 +45,9 @@ export class GenerationRepository {
 
   /**
    * Raises Postgres' Redis checkpoint from `from` to `to`, if it was last raised `minGapMs` ago or more (however many
-   * instances try: a step takes about as long whatever their number); false, and nothing changed, if it no longer was
-   * `from` (another instance raised it) or was raised too recently.
+   * instances try: a step takes about as long whatever their number; or if it was raised "later" than now, by a clock
+   * that Postgres has since set back); false, and nothing changed, if it no longer was `from` (another instance raised
+   * it) or was raised too recently.
    */
   async advanceCheckpoint(from: number, to: number, minGapMs: number): Promise<boolean> {
     // As a SELECT: TypeORM answers an UPDATE's query with [rows, count].
@@ -54,7 +55,7 @@ export class GenerationRepository {
       this.db.query(
         `WITH raised AS (
            UPDATE t_redis_checkpoint SET n = $2, raised_at = now()
-            WHERE n = $1 AND raised_at <= now() - $3 * interval '1 millisecond' RETURNING n)
+            WHERE n = $1 AND (raised_at <= now() - $3 * interval '1 millisecond' OR raised_at > now()) RETURNING n)
          SELECT n FROM raised`,
         [from, to, minGapMs],
       ),

@@ -351,7 +351,11 @@ export class HoldStore implements OnApplicationShutdown {
     this.connectCheck = check;
     // At 'close' too: ioredis is ready, and sends, a tick before it emits 'ready'.
     this.redis.on('close', () => this.connects++);
-    this.redis.on('ready', () => this.connects++);
+    this.redis.on('ready', () => {
+      this.connects++;
+      // A new connection is checked at once, even while checks that could not tell back off.
+      this.uncheckedUntil = 0;
+    });
   }
 
   private connectCheck: (() => Promise<boolean>) | null = null;
@@ -380,6 +384,11 @@ export class HoldStore implements OnApplicationShutdown {
           this.uncheckedUntil = Date.now() + Math.min(CONNECT_RECHECK_MS * 2 ** this.uncheckedInARow, CONNECT_RECHECK_MAX_MS);
           this.uncheckedInARow++;
         }
+      })
+      .catch((err: unknown) => {
+        // (Postgres answered: Redis is behind, or Redis failed.)
+        this.uncheckedInARow = 0;
+        throw err;
       })
       .finally(() => {
         this.connectChecking = null;
