@@ -71,6 +71,21 @@ describe('Redis restored from an older snapshot', () => {
     await withRedis((client) => client.set(checkpointKey(world.prefix), String(postgres - 2)));
   }
 
+  /** Has Redis close the instance's connection, and waits until ioredis has opened it again. */
+  async function newConnection(instance: TestInstance): Promise<void> {
+    await withRedis((client) => client.client('KILL', 'TYPE', 'normal', 'SKIPME', 'yes'));
+    // A command that waits for no check tells when it is back.
+    const back = () =>
+      instance.app
+        .get(HoldStore)
+        .clock()
+        .then(
+          () => true,
+          () => false,
+        );
+    await eventually(back, 5000);
+  }
+
   /** An instance on this file's Redis whose sweeper leaves the checkpoint and the rebuild alone, once Redis is rebuilt. */
   async function quietInstance(): Promise<TestInstance> {
     const instance = await world.start({ RECONCILE_INTERVAL_MS: '0' });
@@ -393,20 +408,8 @@ describe('Redis restored from an older snapshot', () => {
       .mockRejectedValueOnce(new Error('postgres is down'))
       .mockRejectedValueOnce(new Error('postgres is down'));
     onTestFinished(() => spy.mockRestore());
-    // A new connection: the server closes the instance's, which ioredis opens again (a command that waits for no check
-    // tells when it is back).
-    await withRedis((client) => client.client('KILL', 'TYPE', 'normal', 'SKIPME', 'yes'));
-    await eventually(
-      () =>
-        a.app
-          .get(HoldStore)
-          .clock()
-          .then(
-            () => true,
-            () => false,
-          ),
-      5000,
-    );
+    // A new connection (the server closes the instance's, which ioredis opens again).
+    await newConnection(a);
     const reserve = (owner: string) => a.post('/v1/pools/unchecked/reservations', { owner, count: 1 });
     expect((await reserve('while-down')).status).toBe(201);
     expect(spy).toHaveBeenCalledTimes(1);
@@ -417,18 +420,7 @@ describe('Redis restored from an older snapshot', () => {
     expect((await reserve('unchecked')).status).toBe(201);
     expect(spy).toHaveBeenCalledTimes(2);
     // A new connection is checked at once, backing off or not.
-    await withRedis((client) => client.client('KILL', 'TYPE', 'normal', 'SKIPME', 'yes'));
-    await eventually(
-      () =>
-        a.app
-          .get(HoldStore)
-          .clock()
-          .then(
-            () => true,
-            () => false,
-          ),
-      5000,
-    );
+    await newConnection(a);
     const later = await reserve('once-up');
     expect(later.body.error?.code).toBe('DEPENDENCY_UNAVAILABLE');
     expect(spy.mock.calls.length).toBeGreaterThanOrEqual(3); // (and the rebuild that check started reads it too)
