@@ -207,7 +207,7 @@ export class RebuildService {
       await this.holds.setCheckpoint(seen, await this.generations.checkpoint());
       return false;
     }
-    if (seen.n < postgres - 1) return true;
+    if (behindOf(postgres, seen) !== null) return true;
     if (seen.n === postgres - 1) {
       // An instance raised Postgres' and has not raised Redis' (yet: it may have stalled, or died): done for it.
       await this.holds.setCheckpoint(seen, postgres);
