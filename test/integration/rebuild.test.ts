@@ -4,12 +4,11 @@ import { DataSource } from 'typeorm';
 import { AttributesAreStrings1764300000000 } from '../../migrations/1764300000000-AttributesAreStrings.js';
 import { JobMutexRepository } from '../../src/database/job-mutex.repository.js';
 import { RebuildService } from '../../src/sweeper/rebuild.service.js';
-import { SweeperService } from '../../src/sweeper/sweeper.service.js';
 import { ResourceRepository } from '../../src/database/resource.repository.js';
 import { GenerationRepository } from '../../src/database/generation.repository.js';
 import { markerKey, poolKeys, rebuildRunKey } from '../../src/redis/keys.js';
 import { HoldStore, READ_MAX_AGE_MS, TOMBSTONE_MS } from '../../src/redis/hold-store.repository.js';
-import { TestInstance, TestWorld, eventually, numbers, seedPool, staleReadAt } from '../support/harness.js';
+import { TestInstance, TestWorld, eventually, numbers, quietSweepers, seedPool, staleReadAt } from '../support/harness.js';
 import { deleteKeys } from '../support/services.js';
 
 describe('rebuild of Redis from Postgres, one instance at a time', () => {
@@ -34,14 +33,7 @@ describe('rebuild of Redis from Postgres, one instance at a time', () => {
    * For a test that stalls a rebuild by hand past its lease: the sweepers may not take the job over meanwhile (a
    * marker that says rebuilding and a stale lease are theirs to finish), until the test is over.
    */
-  function quietSweepers(): void {
-    const spies = [a, b].map((instance) =>
-      vi
-        .spyOn(instance.app.get(SweeperService) as unknown as { rebuildIfNeeded: () => Promise<void> }, 'rebuildIfNeeded')
-        .mockResolvedValue(),
-    );
-    onTestFinished(() => spies.forEach((spy) => spy.mockRestore()));
-  }
+  const quietBoth = () => quietSweepers(a, b);
 
   it('t_job_mutex: the version CAS lets one holder in, until it releases or its lease runs out', async () => {
     const mutex = a.app.get(JobMutexRepository);
@@ -72,7 +64,7 @@ describe('rebuild of Redis from Postgres, one instance at a time', () => {
 
   it('a rebuild whose every round finds a pool without its generation (Redis losing keys) stops after 5 rounds, unfinished', async () => {
     await seedPool(a, 'keys-lost', numbers(1));
-    quietSweepers();
+    quietBoth();
     const holds = a.app.get(HoldStore);
     const written = vi.spyOn(holds, 'setGeneration').mockResolvedValue(false);
     onTestFinished(() => written.mockRestore());
@@ -153,7 +145,7 @@ describe('rebuild of Redis from Postgres, one instance at a time', () => {
   });
 
   it('a rebuild whose lease ran out while it stalled, and that another instance took, stops: no bump fences live holds', async () => {
-    quietSweepers();
+    quietBoth();
     await seedPool(a, 'stalled', numbers(3));
     const r = await a.post('/v1/pools/stalled/reservations', { owner: 'buyer', count: 1 });
     expect(r.status).toBe(201);
@@ -367,7 +359,7 @@ describe('rebuild of Redis from Postgres, one instance at a time', () => {
   });
 
   it('a rebuild whose pages keep reaching Redis too late (it keeps stalling) stops once another instance took the job', async () => {
-    quietSweepers();
+    quietBoth();
     await seedPool(a, 'always-late', numbers(2));
     const holds = b.app.get(HoldStore);
     const addFree = holds.addFree.bind(holds);
@@ -398,7 +390,7 @@ describe('rebuild of Redis from Postgres, one instance at a time', () => {
   });
 
   it('a rebuild page that reaches Redis after an allocation it missed lost its tombstone (a stall) adds nothing, and is read again', async () => {
-    quietSweepers();
+    quietBoth();
     await seedPool(a, 'late-page', numbers(3));
     const keys = poolKeys(world.prefix, 'late-page');
     const holds = b.app.get(HoldStore);

@@ -6,8 +6,7 @@ import { GenerationRepository } from '../../src/database/generation.repository.j
 import { HoldStore } from '../../src/redis/hold-store.repository.js';
 import { checkpointKey, poolKeys } from '../../src/redis/keys.js';
 import { RebuildService } from '../../src/sweeper/rebuild.service.js';
-import { SweeperService } from '../../src/sweeper/sweeper.service.js';
-import { TestInstance, TestWorld, eventually, numbers, seedPool, sleep } from '../support/harness.js';
+import { TestInstance, TestWorld, eventually, numbers, quietSweepers, seedPool, sleep, untilRebuilt } from '../support/harness.js';
 import { OwnRedis } from '../support/services.js';
 
 // Invariants 3 and 5 when Redis goes back in time: restored from an older snapshot (or failed over to a replica that
@@ -47,16 +46,6 @@ describe('Redis restored from an older snapshot', () => {
     return n === null ? null : Number(n);
   };
 
-  /** The instances' sweepers leave the checkpoint and the rebuild alone until the test is over. */
-  function quietSweepers(...instances: TestInstance[]): void {
-    const spies = instances.map((instance) =>
-      vi
-        .spyOn(instance.app.get(SweeperService) as unknown as { rebuildIfNeeded: () => Promise<void> }, 'rebuildIfNeeded')
-        .mockResolvedValue(),
-    );
-    onTestFinished(() => spies.forEach((spy) => spy.mockRestore()));
-  }
-
   /** Postgres' checkpoint as if last raised long ago: the next check may take a step at once. */
   const ageCheckpoint = () => world.query(`UPDATE t_redis_checkpoint SET raised_at = now() - interval '1 minute'`);
   /** A check that may take a step. */
@@ -90,7 +79,7 @@ describe('Redis restored from an older snapshot', () => {
   async function quietInstance(): Promise<TestInstance> {
     const instance = await world.start({ RECONCILE_INTERVAL_MS: '0' });
     onTestFinished(() => instance.close());
-    await eventually(async () => (await instance.app.get(HoldStore).rebuildState()) === 'rebuilt', 10_000);
+    await untilRebuilt(instance);
     quietSweepers(instance);
     return instance;
   }
@@ -165,7 +154,7 @@ describe('Redis restored from an older snapshot', () => {
     // Only the check on a new connection may find it: the sweeper's is off.
     quietSweepers(api);
     const rebuilder = api.app.get(RebuildService);
-    await eventually(async () => (await api.app.get(HoldStore).rebuildState()) === 'rebuilt', 10_000);
+    await untilRebuilt(api);
     await rebuilder.checkpoint();
     await withRedis((client) => client.save());
     const body = { owner: 'buyer', count: 1 };
@@ -191,13 +180,13 @@ describe('Redis restored from an older snapshot', () => {
       true,
     );
     // (The rebuild the check started ends before the instance closes, for the tests after this one.)
-    await eventually(async () => (await api.app.get(HoldStore).rebuildState()) === 'rebuilt', 10_000);
+    await untilRebuilt(api);
   });
 
   it("no false alarm: a checkpoint step left half done is finished, a missing one starts at Postgres', and concurrent checks never find Redis behind", async () => {
     const [a, b] = [await world.start({ RECONCILE_INTERVAL_MS: '0' }), await world.start({ RECONCILE_INTERVAL_MS: '0' })];
     onTestFinished(async () => void (await Promise.all([a.close(), b.close()])));
-    await eventually(async () => (await a.app.get(HoldStore).rebuildState()) === 'rebuilt', 10_000);
+    await untilRebuilt(a);
     quietSweepers(a, b);
     const [checkA, checkB] = [a, b].map((instance) => instance.app.get(RebuildService));
     await checkA.checkpoint();
@@ -240,7 +229,7 @@ describe('Redis restored from an older snapshot', () => {
     const [a, b] = [await world.start({ RECONCILE_INTERVAL_MS: '0' }), await world.start({ RECONCILE_INTERVAL_MS: '0' })];
     onTestFinished(async () => void (await Promise.all([a.close(), b.close()])));
     await seedPool(a, 'behind', numbers(4, '1390000'));
-    await eventually(async () => (await a.app.get(HoldStore).rebuildState()) === 'rebuilt', 10_000);
+    await untilRebuilt(a);
     quietSweepers(a, b);
     const [rebuildA, rebuildB] = [a, b].map((instance) => instance.app.get(RebuildService));
     await rebuildA.checkpoint();
@@ -261,7 +250,7 @@ describe('Redis restored from an older snapshot', () => {
     // One rebuilt every free item; the other found Redis no longer behind once it got the job (0), or found the job held.
     expect(added.filter((n) => n === free)).toHaveLength(1);
     expect(added.filter((n) => n === 0 || n === null)).toHaveLength(1);
-    await eventually(async () => (await a.app.get(HoldStore).rebuildState()) === 'rebuilt', 10_000);
+    await untilRebuilt(a);
     expect(await a.app.get(GenerationRepository).current()).toBe(generation + 1);
     expect((await a.get(`/v1/reservations/${held.body.id}`)).status).toBe(404);
     expect(await a.app.get(HoldStore).freeCount('behind')).toBe(4);

@@ -1,11 +1,13 @@
 import type { NestFastifyApplication } from '@nestjs/platform-fastify';
 import { randomBytes } from 'node:crypto';
 import pg from 'pg';
+import { onTestFinished, vi } from 'vitest';
 import { closeGracefully, createApp } from '../../src/app.factory.js';
 import { PoolRepository } from '../../src/database/pool.repository.js';
 import { AllocationResult, ResourceRepository } from '../../src/database/resource.repository.js';
 import { HoldStore, READ_MAX_AGE_MS } from '../../src/redis/hold-store.repository.js';
 import { AppConfig, loadConfig } from '../../src/config/app-config.js';
+import { SweeperService } from '../../src/sweeper/sweeper.service.js';
 import { REDIS_URL, databaseUrl, deleteKeys, dropDatabase } from './services.js';
 
 export interface HttpAnswer<T = any> {
@@ -137,6 +139,24 @@ export async function eventually<T>(check: () => Promise<T | undefined | null | 
     if (Date.now() - started > timeoutMs) throw new Error(`condition not met within ${timeoutMs} ms`);
     await sleep(everyMs);
   }
+}
+
+/** Waits until the instance finds Redis rebuilt (the marker says so), at most `timeoutMs`. */
+export async function untilRebuilt(instance: TestInstance, timeoutMs = 10_000): Promise<void> {
+  await eventually(async () => (await instance.app.get(HoldStore).rebuildState()) === 'rebuilt', timeoutMs);
+}
+
+/**
+ * For a test that drives the rebuild (and the checkpoint) by hand: the instances' sweepers leave them alone until the
+ * test is over.
+ */
+export function quietSweepers(...instances: TestInstance[]): void {
+  const spies = instances.map((instance) =>
+    vi
+      .spyOn(instance.app.get(SweeperService) as unknown as { rebuildIfNeeded: () => Promise<void> }, 'rebuildIfNeeded')
+      .mockResolvedValue(),
+  );
+  onTestFinished(() => spies.forEach((spy) => spy.mockRestore()));
 }
 
 /** Reserves one item of `pool` for `owner` as soon as one is free (a 201 within `timeoutMs`). */
