@@ -204,7 +204,7 @@ const MARK_REBUILT = `if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('
  */
 const SET_CHECKPOINT = `if redis.call('GET', KEYS[1]) ~= ARGV[1] or (redis.call('GET', KEYS[2]) or '') ~= ARGV[2] then return 0 end
 redis.call('SET', KEYS[2], ARGV[3]) return 1`;
-/** After a check of a new connection to Redis that could not tell (see HoldStore.checkOnConnect), reserves go on this long. */
+/** After a check of a new connection to Redis that could not tell (see HoldStore.checkOnConnect), requests go on this long. */
 const CONNECT_RECHECK_MS = 1000;
 const CONNECT_RECHECK_MAX_MS = 16_000;
 /** A pool's generation (KEYS[1]) dropped only if it is ARGV[1] or older (see HoldStore.dropAll). */
@@ -342,9 +342,9 @@ export class HoldStore implements OnApplicationShutdown {
 
   /**
    * Each time the connection to Redis is made (at start, after a restart or a failover), Redis may have gone back in
-   * time: until `check` has resolved true once since, every reserve first waits for it (one at a time, shared), and a
-   * rejection answers it (a 503), the next one running it again. Resolved false (it could not tell: Postgres did not
-   * answer), reserves go on unchecked for a second, and the next one after that runs it again (after two seconds the
+   * time: until `check` has resolved true once since, every reserve, read, pin, release and extend first waits for it
+   * (one at a time, shared), and a rejection answers it (a 503), the next one running it again. Resolved false (it
+   * could not tell: Postgres did not answer), they go on unchecked for a second, and the next one after that runs it again (after two seconds the
    * next time in a row, then four, up to 16).
    */
   checkOnConnect(check: () => Promise<boolean>): void {
@@ -363,13 +363,13 @@ export class HoldStore implements OnApplicationShutdown {
   private connects = 1;
   /** The count of connections made when the last check that resolved true began. */
   private checkedConnects = 0;
-  /** Until then, after a check that could not tell, reserves go on unchecked. */
+  /** Until then, after a check that could not tell, requests go on unchecked. */
   private uncheckedUntil = 0;
   /** Checks in a row that could not tell. */
   private uncheckedInARow = 0;
   private connectChecking: Promise<void> | null = null;
 
-  /** The check a reserve waits for, until one resolves true on the current connection (see checkOnConnect). */
+  /** The check a request waits for, until one resolves true on the current connection (see checkOnConnect). */
   private connectChecked(): Promise<void> | null {
     if (this.connectCheck === null || this.checkedConnects === this.connects || Date.now() < this.uncheckedUntil) return null;
     const connects = this.connects;
@@ -396,9 +396,14 @@ export class HoldStore implements OnApplicationShutdown {
     return this.connectChecking;
   }
 
+  /** Waits for the check `unchecked` of a new connection, and again if the connection changed during it (see checkOnConnect). */
+  private async whenChecked(unchecked: Promise<void>): Promise<void> {
+    for (let checked: Promise<void> | null = unchecked; checked !== null; checked = this.connectChecked()) await checked;
+  }
+
   async reserve(pool: string, req: ReserveRequest): Promise<ReserveResult> {
-    // Again if the connection changed during the check.
-    for (let checked = this.connectChecked(); checked !== null; checked = this.connectChecked()) await checked;
+    const unchecked = this.connectChecked();
+    if (unchecked) await this.whenChecked(unchecked);
     let reply: string[];
     try {
       reply = await this.run<string[]>(
@@ -467,12 +472,16 @@ export class HoldStore implements OnApplicationShutdown {
   }
 
   async read(pool: string, reservationId: string): Promise<StoredReservation | null> {
+    const unchecked = this.connectChecked();
+    if (unchecked) await this.whenChecked(unchecked);
     const reply = await this.run<string[]>('read', pool, reservationId);
     return reply[0] === 'ok' ? parseReservation(reply) : null;
   }
 
   /** `endedEpoch`: an epoch Postgres has ended; the pin starts a new one rather than join it. */
   async pin(pool: string, reservationId: string, selection: string[], windowMs: number, endedEpoch?: number): Promise<PinResult> {
+    const unchecked = this.connectChecked();
+    if (unchecked) await this.whenChecked(unchecked);
     // The attempt's token: a second send after a timeout carries the same, and learns whether its first run opened
     // the epoch (pin.lua).
     const reply = await this.run<string[]>(
@@ -539,6 +548,8 @@ export class HoldStore implements OnApplicationShutdown {
 
   /** `abortedEpoch`: the reservation's commit epoch, which Postgres has recorded as given up. */
   async release(pool: string, reservationId: string, abortedEpoch?: number): Promise<ReleaseResult> {
+    const unchecked = this.connectChecked();
+    if (unchecked) await this.whenChecked(unchecked);
     const reply = await this.run<string[]>('release', pool, reservationId, this.retentionMs, abortedEpoch ?? '', '', '');
     if (reply[0] === 'released' || reply[0] === 'confirmed') return { status: reply[0], reservation: parseReservation(reply) };
     if (reply[0] === 'undecided') return { status: 'undecided', epoch: Number(reply[1]) };
@@ -590,6 +601,8 @@ export class HoldStore implements OnApplicationShutdown {
   }
 
   async extend(pool: string, reservationId: string, ttlMs: number): Promise<ExtendResult> {
+    const unchecked = this.connectChecked();
+    if (unchecked) await this.whenChecked(unchecked);
     const reply = await this.run<string[]>('extend', pool, reservationId, ttlMs, this.openRecordMs, this.config.HOLD_GRACE_MS);
     if (reply[0] === 'extended') return { status: 'extended', reservation: parseReservation(reply) };
     return { status: reply[0] as 'expired' | 'confirming' | 'closed' | 'missing' };

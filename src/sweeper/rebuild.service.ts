@@ -226,11 +226,12 @@ export class RebuildService {
   }
 
   /**
-   * Runs before the first reserve on each connection to Redis (HoldStore.checkOnConnect): a Redis restored from a
-   * snapshot, or a replica promoted, is met by a new connection, and its first reserve must not hand out items, or make
-   * a new reservation for an Idempotency-Key it lost, before the sweeper's next check finds it behind. Resolves true if
-   * it is not. While it is, starts the rebuild that drops it, and answers 503. Should Postgres not answer within a
-   * second, resolves false: reserves go on, as they do while Postgres is down, and the check is made again later.
+   * Runs before the first reserve, read, pin, release or extend on each connection to Redis (HoldStore.checkOnConnect):
+   * a Redis restored from a snapshot, or a replica promoted, is met by a new connection, and its first reserve must not
+   * hand out items, or make a new reservation for an Idempotency-Key it lost, nor a release, extend or confirm act on a
+   * reservation as it was then, before the sweeper's next check finds it behind. Resolves true if it is not. While it
+   * is, starts the rebuild that drops it, and answers 503. Should Postgres not answer within a second, resolves false:
+   * they go on, as they do while Postgres is down, and the check is made again later.
    */
   private async checkAfterConnect(): Promise<boolean> {
     let timer: NodeJS.Timeout | undefined;
