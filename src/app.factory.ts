@@ -12,7 +12,7 @@ import { createValidationPipe, linkableBody, linkRequestParts } from './common/v
 import { addValidationLimits } from './common/openapi-limits.js';
 import { addBodyLimitResponses } from './common/api-errors.decorator.js';
 import { createPino, PinoLoggerService } from './common/logger.js';
-import { DomainError, errorBody, ErrorCode, HTTP_STATUS } from './common/errors.js';
+import { DomainError, ErrorCode } from './common/errors.js';
 import { MAX_PARAM_LENGTH, clientErrorResponse, mapError } from './common/http-errors.js';
 import { RateLimiter } from './common/rate-limiter.js';
 import { AppConfig, expiryBudgetWarning } from './config/app-config.js';
@@ -31,6 +31,8 @@ declare module 'fastify' {
 }
 
 const REQUEST_ID = /^[\w.:-]{1,128}$/;
+/** How long a request's headers may take to arrive at most (Node's default); REQUEST_TIMEOUT_MS if shorter. */
+const HEADERS_TIMEOUT_MS = 60_000;
 
 /** A caller's x-request-id when it is sane, else a new UUID. */
 export function requestId(req: IncomingMessage): string {
@@ -64,6 +66,14 @@ export async function createApp(config: AppConfig, options: { logger?: boolean }
     // The request id of the request's log lines; echoed in x-request-id.
     genReqId: requestId,
     bodyLimit: config.BODY_LIMIT_BYTES,
+    // A request that arrives too slowly is answered 408 (clientErrorHandler) and its connection closed: Fastify's
+    // default (0) would let a body that stalls hold its connection for ever. Node checks every second, not every 30.
+    requestTimeout: config.REQUEST_TIMEOUT_MS,
+    http: {
+      requestTimeout: config.REQUEST_TIMEOUT_MS,
+      headersTimeout: Math.min(HEADERS_TIMEOUT_MS, config.REQUEST_TIMEOUT_MS),
+      connectionsCheckingInterval: 1000,
+    },
     // Requests that arrive while the instance shuts down are answered by the hook below, with the API's body.
     return503OnClosing: false,
     forceCloseConnections: 'idle',
@@ -121,6 +131,11 @@ export async function createApp(config: AppConfig, options: { logger?: boolean }
   fastify.addHook('preClose', async () => {
     closing = true;
   });
+  // Per client address, before the key is checked: guesses at API keys count too.
+  const limiter =
+    config.RATE_LIMIT_PER_SECOND > 0
+      ? new RateLimiter(config.RATE_LIMIT_PER_SECOND, config.RATE_LIMIT_BURST || config.RATE_LIMIT_PER_SECOND)
+      : undefined;
   // One hook for every request (each hook costs the hot path a promise), its first step.
   fastify.addHook('onRequest', async (req: FastifyRequest, reply: FastifyReply) => {
     req.receivedAtMs = Date.now();
@@ -137,6 +152,9 @@ export async function createApp(config: AppConfig, options: { logger?: boolean }
       delete headers['content-type'];
     let refused: DomainError | undefined;
     if (closing) refused = DomainError.shuttingDown();
+    else if (limiter !== undefined && !req.url.startsWith('/health') && !req.url.startsWith('/metrics') && !limiter.take(req.ip)) {
+      refused = DomainError.rateLimited(config.RATE_LIMIT_PER_SECOND);
+    }
     // The key is checked before the body is read: a caller without one learns nothing and costs little.
     else if (apiKeys !== undefined) {
       const caller = authorize(apiKeys, req.routeOptions.config as RouteRoles, headers);
@@ -153,6 +171,7 @@ export async function createApp(config: AppConfig, options: { logger?: boolean }
       const mapped = mapError(refused);
       // RFC 9110: a 401 names the scheme that would be accepted.
       if (refused.code === ErrorCode.UNAUTHENTICATED) reply.header('www-authenticate', 'Bearer realm="respool"');
+      if (refused.code === ErrorCode.RATE_LIMITED) reply.header('retry-after', '1');
       await reply.status(mapped.status).send(mapped.body);
     }
   });
@@ -182,18 +201,6 @@ export async function createApp(config: AppConfig, options: { logger?: boolean }
       );
     }
   });
-  if (config.RATE_LIMIT_PER_SECOND > 0) {
-    const limiter = new RateLimiter(config.RATE_LIMIT_PER_SECOND, config.RATE_LIMIT_BURST || config.RATE_LIMIT_PER_SECOND);
-    fastify.addHook('onRequest', async (req: FastifyRequest, reply: FastifyReply) => {
-      if (req.url.startsWith('/health') || req.url.startsWith('/metrics')) return;
-      if (!limiter.take(req.ip)) {
-        await reply
-          .status(HTTP_STATUS[ErrorCode.RATE_LIMITED])
-          .header('retry-after', '1')
-          .send(errorBody(ErrorCode.RATE_LIMITED, 'too many requests; slow down', { limitPerSecond: config.RATE_LIMIT_PER_SECOND }));
-      }
-    });
-  }
   const document = buildOpenApi(app);
   SwaggerModule.setup('docs', app, document, { jsonDocumentUrl: 'docs-json' });
   await app.init();

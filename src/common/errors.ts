@@ -76,6 +76,10 @@ export class DomainError extends Error {
     });
   }
 
+  static rateLimited(limitPerSecond: number): DomainError {
+    return new DomainError(ErrorCode.RATE_LIMITED, 'too many requests; slow down', { limitPerSecond });
+  }
+
   static unavailable(dependency: 'postgres' | 'redis', cause?: unknown): DomainError {
     const err = new DomainError(ErrorCode.DEPENDENCY_UNAVAILABLE, `${dependency} is unavailable; nothing was changed`, {
       dependency,

@@ -163,6 +163,16 @@ export class AppConfig {
   @Max(104_857_600)
   BODY_LIMIT_BYTES = 8 * 1024 * 1024;
 
+  /**
+   * How long a request may take to arrive, headers and body (the headers alone: at most 60 s); one that takes longer is
+   * answered 408 and its connection closed. It does not bound the answer: a reserve may wait its `waitMs` after it.
+   */
+  @Transform(toInt)
+  @IsInt()
+  @Min(1000)
+  @Max(3_600_000)
+  REQUEST_TIMEOUT_MS = 60_000;
+
   /** Requests per second allowed per client address on each instance (0 = no limit). */
   @Transform(toInt)
   @IsInt()

@@ -1,5 +1,5 @@
 import { connect } from 'node:net';
-import { afterAll, beforeAll, describe, expect, it, vi } from 'vitest';
+import { afterAll, beforeAll, describe, expect, it, onTestFinished, vi } from 'vitest';
 import { DomainError } from '../../src/common/errors.js';
 import { PoolRepository } from '../../src/database/pool.repository.js';
 import { HoldStore } from '../../src/redis/hold-store.repository.js';
@@ -254,6 +254,46 @@ describe('operations: health, metrics, OpenAPI, request ids', () => {
       expect(answer.body.error.code, type).toBe('VALIDATION_FAILED');
     }
     expect((await api.get('/v1/pools/raw')).body.stats).toEqual({ total: 2, free: 2, held: 0, allocated: 0 });
+  });
+
+  it('a request whose body or headers stall is answered 408 with the API error body after REQUEST_TIMEOUT_MS, and changes nothing; a reserve that waits longer than that is not cut', async () => {
+    const slow = await world.start({ REQUEST_TIMEOUT_MS: '1500' });
+    onTestFinished(() => slow.close());
+    await seedPool(slow, 'stalled', numbers(1));
+    const url = new URL(slow.url);
+    // Sends `start` and nothing more; resolves with what the service answered once it closed the connection.
+    const stalled = (start: string) =>
+      new Promise<{ answer: string; afterMs: number }>((resolve, reject) => {
+        const began = Date.now();
+        let answer = '';
+        const socket = connect(Number(url.port), url.hostname, () => socket.write(start));
+        socket.on('data', (chunk) => (answer += chunk.toString()));
+        socket.on('close', () => resolve({ answer, afterMs: Date.now() - began }));
+        socket.on('error', reject);
+      });
+    const [body, headers, waited] = await Promise.all([
+      stalled(
+        `POST /v1/pools/stalled/reservations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{"owner":`,
+      ),
+      stalled(`POST /v1/pools/stalled/reservations HTTP/1.1\r\nHost: x\r\nContent-Type: app`),
+      // (Its item held first, so that it waits.)
+      slow
+        .post('/v1/pools/stalled/reservations', { owner: 'first' })
+        .then(() => slow.post('/v1/pools/stalled/reservations', { owner: 'patient', waitMs: 2500 })),
+    ]);
+    for (const { answer, afterMs } of [body, headers]) {
+      expect(answer).toMatch(/^HTTP\/1\.1 408 /);
+      expect(JSON.parse(answer.slice(answer.indexOf('\r\n\r\n') + 4)).error).toMatchObject({
+        code: 'VALIDATION_FAILED',
+        details: { fields: [{ field: 'request' }] },
+      });
+      // (Node checks its connections every second.)
+      expect(afterMs).toBeGreaterThanOrEqual(1400);
+      expect(afterMs).toBeLessThan(10_000);
+    }
+    expect(waited.status).toBe(409);
+    expect(waited.body.error.code).toBe('POOL_EXHAUSTED');
+    expect((await slow.get('/v1/pools/stalled')).body.stats).toEqual({ total: 1, free: 0, held: 1, allocated: 0 });
   });
 
   it('refuses a query string on the API, which no call takes, like any unknown field, and changes nothing', async () => {

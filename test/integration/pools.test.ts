@@ -1,4 +1,4 @@
-import { afterAll, beforeAll, describe, expect, it, vi } from 'vitest';
+import { afterAll, beforeAll, describe, expect, it, onTestFinished, vi } from 'vitest';
 import { PoolRepository } from '../../src/database/pool.repository.js';
 import { ResourceRepository } from '../../src/database/resource.repository.js';
 import { DomainError } from '../../src/common/errors.js';
@@ -394,5 +394,28 @@ describe('pools and resources', () => {
     expect((await limited.get('/health/live')).status).toBe(200);
     await sleep(1100);
     expect((await limited.get('/v1/pools')).status).toBe(200);
+  });
+
+  it('requests refused before they reach a route (no API key, a wrong one, the wrong role, a query string) count toward the rate limit too', async () => {
+    const admin = 'admin-key-0123456789';
+    const limited = await world.start({ RATE_LIMIT_PER_SECOND: '1', RATE_LIMIT_BURST: '4', API_KEYS: `admin:${admin}` });
+    onTestFinished(() => limited.close());
+    const answers = [
+      await limited.get('/v1/pools'),
+      await limited.request('GET', '/v1/pools', undefined, { authorization: 'Bearer guess-1' }),
+      await limited.request('GET', '/v1/pools?x=1', undefined, { authorization: `Bearer ${admin}` }),
+      await limited.request('GET', '/v1/pools', undefined, { authorization: 'Bearer guess-2' }),
+      await limited.request('GET', '/v1/pools', undefined, { authorization: 'Bearer guess-3' }),
+      await limited.request('GET', '/v1/pools', undefined, { authorization: `Bearer ${admin}` }),
+    ];
+    expect(answers.map((a) => a.status)).toEqual([401, 401, 400, 401, 429, 429]);
+    expect(answers[4].body.error).toEqual({
+      code: 'RATE_LIMITED',
+      message: 'too many requests; slow down',
+      details: { limitPerSecond: 1 },
+    });
+    expect(answers[4].headers.get('retry-after')).toBe('1');
+    expect(answers[4].headers.get('x-request-id')).toBeTruthy();
+    expect((await limited.get('/health/live')).status).toBe(200);
   });
 });
