@@ -53,9 +53,19 @@ export class PoolsService {
     // API.md's default, whatever holdTtlMs is: a longer holdTtlMs needs maxHoldTtlMs sent with it.
     const maxHoldTtlMs = dto.maxHoldTtlMs ?? DEFAULT_MAX_HOLD_TTL_MS;
     if (holdTtlMs > maxHoldTtlMs) {
-      const given = dto.maxHoldTtlMs === undefined ? `, its default; send a maxHoldTtlMs of at least ${holdTtlMs}` : '';
+      // The field the client sent is the one named; holdTtlMs if it sent both, or neither was its choice.
       throw DomainError.validation([
-        { field: 'holdTtlMs', reason: `holdTtlMs must not be greater than maxHoldTtlMs (${maxHoldTtlMs}${given})` },
+        dto.holdTtlMs === undefined
+          ? {
+              field: 'maxHoldTtlMs',
+              reason: `maxHoldTtlMs must not be less than holdTtlMs (${holdTtlMs}, its default; send a holdTtlMs of at most ${maxHoldTtlMs})`,
+            }
+          : {
+              field: 'holdTtlMs',
+              reason: `holdTtlMs must not be greater than maxHoldTtlMs (${maxHoldTtlMs}${
+                dto.maxHoldTtlMs === undefined ? `, its default; send a maxHoldTtlMs of at least ${holdTtlMs}` : ''
+              })`,
+            },
       ]);
     }
     // The pool's Redis generation first: a rebuild takes a missing key for a wiped Redis. Not while Redis

@@ -221,6 +221,23 @@ describe('pools and resources', () => {
       expect(answer.body.error.details.fields.length).toBeGreaterThan(0);
     }
     expect(await poolCount()).toBe(before);
+    // A hold time out of line with the other's default names the field that was sent.
+    for (const [body, field, reason] of [
+      [
+        { holdTtlMs: 5_000_000 },
+        'holdTtlMs',
+        'holdTtlMs must not be greater than maxHoldTtlMs (3600000, its default; send a maxHoldTtlMs of at least 5000000)',
+      ],
+      [
+        { maxHoldTtlMs: 5000 },
+        'maxHoldTtlMs',
+        'maxHoldTtlMs must not be less than holdTtlMs (600000, its default; send a holdTtlMs of at most 5000)',
+      ],
+      [{ holdTtlMs: 10_000, maxHoldTtlMs: 5000 }, 'holdTtlMs', 'holdTtlMs must not be greater than maxHoldTtlMs (5000)'],
+    ] as const) {
+      const answer = await api.post('/v1/pools', { name: 'ttl', kind: 'number', ...body });
+      expect(answer.body.error.details.fields, JSON.stringify(body)).toEqual([{ field, reason }]);
+    }
     const missing = await api.get('/v1/pools/nope');
     expect(missing.status).toBe(404);
     expect(missing.body.error.code).toBe('POOL_NOT_FOUND');
