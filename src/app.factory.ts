@@ -46,7 +46,10 @@ export function buildOpenApi(app: NestFastifyApplication) {
     .setTitle('respool')
     .setDescription(
       'Resource-pool reservation service: items are held for a caller with a Redis TTL hold and committed with a ' +
-        'version-checked Postgres update. Every error answer has the body `{ "error": { "code", "message", "details" } }`.',
+        'version-checked Postgres update. Every error answer has the body `{ "error": { "code", "message", "details" } }`. ' +
+        'Every string in a request body, at any depth (attribute keys too), must be well-formed Unicode text without the ' +
+        'NUL character (`\\u0000`; JSON escapes `\\ud800`-`\\udfff` only as a surrogate pair): Postgres cannot store it ' +
+        'otherwise, and it is refused with 400 VALIDATION_FAILED naming the field. Lengths count Unicode code points.',
     )
     .setVersion(API_VERSION)
     // Checked only when the deployment sets API_KEYS; either header will do.
