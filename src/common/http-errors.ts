@@ -22,7 +22,14 @@ const FASTIFY_CODES: Record<string, { code: ErrorCode; field: string; reason?: s
   FST_ERR_CTP_INVALID_MEDIA_TYPE: { code: ErrorCode.VALIDATION_FAILED, field: 'body' },
   FST_ERR_CTP_INVALID_CONTENT_LENGTH: { code: ErrorCode.VALIDATION_FAILED, field: 'body' },
   FST_ERR_CTP_EMPTY_JSON_BODY: { code: ErrorCode.VALIDATION_FAILED, field: 'body' },
-  FST_ERR_CTP_INVALID_JSON_BODY: { code: ErrorCode.VALIDATION_FAILED, field: 'body' },
+  // Fastify's JSON parser also refuses valid JSON with a key that could set an object's prototype (secure-json-parse),
+  // and says only that the body is not valid JSON.
+  FST_ERR_CTP_INVALID_JSON_BODY: {
+    code: ErrorCode.VALIDATION_FAILED,
+    field: 'body',
+    reason:
+      'the body is not valid JSON, or has a key named "__proto__", or a key "constructor" holding a key "prototype", which are refused',
+  },
   FST_ERR_BAD_URL: {
     code: ErrorCode.VALIDATION_FAILED,
     field: 'path',
@@ -63,8 +70,18 @@ export function mapError(err: unknown): MappedError {
   if (err instanceof DomainError) {
     return { status: err.status, body: errorBody(err.code, err.message, err.details), internal: false };
   }
-  const e = err as { code?: unknown; statusCode?: unknown; status?: unknown; message?: unknown; getStatus?: () => number } | null;
-  const fastify = typeof e?.code === 'string' ? FASTIFY_CODES[e.code] : undefined;
+  const e = err as {
+    code?: unknown;
+    statusCode?: unknown;
+    status?: unknown;
+    message?: unknown;
+    getStatus?: () => number;
+    cause?: unknown;
+  } | null;
+  // Nest's Fastify adapter hands a Fastify error of a request (a body it could not parse) on as an HttpException
+  // caused by it.
+  const code = typeof e?.code === 'string' ? e.code : (e?.cause as { code?: unknown } | undefined)?.code;
+  const fastify = typeof code === 'string' ? FASTIFY_CODES[code] : undefined;
   if (fastify) {
     const message = fastify.reason ?? String(e?.message ?? 'bad request');
     const details = fastify.code === ErrorCode.VALIDATION_FAILED ? { fields: [{ field: fastify.field, reason: message }] } : {};

@@ -177,6 +177,19 @@ describe('API.md edges', () => {
     expect(await api.stats('proto-names')).toEqual({ total: 3, free: 2, held: 1, allocated: 0 });
     expect((await api.get(`/v1/reservations/${reservation.body.id}`)).body.expiresAt).toBe(reservation.body.expiresAt);
     expect((await api.get('/v1/pools/q-tostring')).status).toBe(404);
+    // Keys that could set a prototype are refused by the JSON parser, even as attribute keys, with a message that says so.
+    for (const body of [
+      '{"items":[{"value":"zz3","attributes":{"__proto__":"x"}}]}',
+      '{"items":[{"value":"zz3","attributes":{"constructor":{"prototype":"x"}}}]}',
+      '{"items":[{"value":"zz3"}]',
+    ]) {
+      const answer = await api.request('POST', '/v1/pools/proto-names/resources', body, { 'content-type': 'application/json' });
+      expect(answer.status, body).toBe(400);
+      expect(answer.body.error.details.fields, body).toEqual([
+        { field: 'body', reason: expect.stringContaining('not valid JSON, or has a key named "__proto__"') },
+      ]);
+    }
+    expect(await api.stats('proto-names')).toEqual({ total: 3, free: 2, held: 1, allocated: 0 });
   });
 
   it('DELETE /v1/reservations/{id} sent with Content-Type: application/json and no body releases it (200, state released), as without the header', async () => {
