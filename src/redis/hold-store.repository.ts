@@ -401,6 +401,31 @@ export class HoldStore implements OnApplicationShutdown {
     for (let checked: Promise<void> | null = unchecked; checked !== null; checked = this.connectChecked()) await checked;
   }
 
+  /**
+   * For a call with a deadline (a pin or an extend received just before its hold's end): the script runs at once, the
+   * check of a new connection (started before it, if due) is waited for after it, and a rejection of the check answers
+   * the call (503) with `undo` run first. The check may take a second (Postgres slow): before it, the hold could end.
+   */
+  private async checkedAfter<T>(script: () => Promise<T>, undo: (result: T) => Promise<unknown>): Promise<T> {
+    // (Its rejection kept, not left unhandled while the script runs.)
+    const early = this.connectChecked()?.then(
+      () => null,
+      (err: unknown) => ({ err }),
+    );
+    const result = await script();
+    try {
+      const failed = await early;
+      if (failed) throw failed.err;
+      // Again if the connection changed meanwhile (the script may have run on the new one).
+      const unchecked = this.connectChecked();
+      if (unchecked) await this.whenChecked(unchecked);
+    } catch (err) {
+      await undo(result).catch(() => undefined);
+      throw err;
+    }
+    return result;
+  }
+
   async reserve(pool: string, req: ReserveRequest): Promise<ReserveResult> {
     const unchecked = this.connectChecked();
     if (unchecked) await this.whenChecked(unchecked);
@@ -474,14 +499,37 @@ export class HoldStore implements OnApplicationShutdown {
   async read(pool: string, reservationId: string): Promise<StoredReservation | null> {
     const unchecked = this.connectChecked();
     if (unchecked) await this.whenChecked(unchecked);
+    return this.peek(pool, reservationId);
+  }
+
+  /**
+   * A read that does not wait for the check of a new connection (see checkOnConnect): only for a caller that acts
+   * next through a call that does (pin, extend, release), and answers nothing from this read that Redis going back in
+   * time could have made wrong (a reservation's owner and kind never change). A heartbeat reads its lease first: it
+   * must not wait here, past the lease's end.
+   */
+  async peek(pool: string, reservationId: string): Promise<StoredReservation | null> {
     const reply = await this.run<string[]>('read', pool, reservationId);
     return reply[0] === 'ok' ? parseReservation(reply) : null;
   }
 
   /** `endedEpoch`: an epoch Postgres has ended; the pin starts a new one rather than join it. */
   async pin(pool: string, reservationId: string, selection: string[], windowMs: number, endedEpoch?: number): Promise<PinResult> {
-    const unchecked = this.connectChecked();
-    if (unchecked) await this.whenChecked(unchecked);
+    // Pinned at once, checked before the commit: should Redis be found behind, what the pin did is undone (the attempt
+    // surely never reached Postgres), and the confirm answered 503.
+    return this.checkedAfter(
+      () => this.pinNow(pool, reservationId, selection, windowMs, endedEpoch),
+      (pinned) => (pinned.status === 'pinned' ? this.unpin(pool, pinned, true) : Promise.resolve()),
+    );
+  }
+
+  private async pinNow(
+    pool: string,
+    reservationId: string,
+    selection: string[],
+    windowMs: number,
+    endedEpoch?: number,
+  ): Promise<PinResult> {
     // The attempt's token: a second send after a timeout carries the same, and learns whether its first run opened
     // the epoch (pin.lua).
     const reply = await this.run<string[]>(
@@ -601,11 +649,15 @@ export class HoldStore implements OnApplicationShutdown {
   }
 
   async extend(pool: string, reservationId: string, ttlMs: number): Promise<ExtendResult> {
-    const unchecked = this.connectChecked();
-    if (unchecked) await this.whenChecked(unchecked);
-    const reply = await this.run<string[]>('extend', pool, reservationId, ttlMs, this.openRecordMs, this.config.HOLD_GRACE_MS);
-    if (reply[0] === 'extended') return { status: 'extended', reservation: parseReservation(reply) };
-    return { status: reply[0] as 'expired' | 'confirming' | 'closed' | 'missing' };
+    // Extended at once, then checked: a Redis found behind is dropped, this extension with it.
+    return this.checkedAfter(
+      async (): Promise<ExtendResult> => {
+        const reply = await this.run<string[]>('extend', pool, reservationId, ttlMs, this.openRecordMs, this.config.HOLD_GRACE_MS);
+        if (reply[0] === 'extended') return { status: 'extended', reservation: parseReservation(reply) };
+        return { status: reply[0] as 'expired' | 'confirming' | 'closed' | 'missing' };
+      },
+      () => Promise.resolve(),
+    );
   }
 
   async sweep(pool: string, batch: number, recheckMs: number, workBudget: number): Promise<SweepResult> {

@@ -474,7 +474,8 @@ export class ReservationsService implements OnModuleDestroy {
   async mustOwn(id: string, kind: 'r' | 'l', actingFor: string | undefined): Promise<void> {
     if (actingFor === undefined) return;
     const pool = await poolOf(this.catalog, id);
-    const stored = await this.holds.read(pool.name, id);
+    // (Not waiting for the check of a new connection to Redis: the call that acts next does.)
+    const stored = await this.holds.peek(pool.name, id);
     const committed = stored ? null : await this.committer.landedCommit(id);
     const found = stored
       ? { owner: stored.owner, kind: stored.kind }

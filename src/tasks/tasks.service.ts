@@ -95,7 +95,9 @@ export class TasksService {
    * record's kind never changes, so reading it before acting on it is safe.
    */
   private async readLease(pool: PoolEntity, leaseId: string): Promise<StoredReservation | null> {
-    const stored = await this.holds.read(pool.name, leaseId);
+    // (Not waiting for the check of a new connection to Redis, which may take a second: heartbeat and complete act just
+    // before the lease ends. The call that acts next waits for it.)
+    const stored = await this.holds.peek(pool.name, leaseId);
     if (stored && stored.kind !== 'l') throw notFound(leaseId);
     return stored;
   }

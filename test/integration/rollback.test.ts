@@ -1,4 +1,5 @@
 import { mkdtempSync, rmSync } from 'node:fs';
+import pg from 'pg';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { afterAll, beforeAll, describe, expect, it, onTestFinished, vi } from 'vitest';
@@ -7,7 +8,7 @@ import { HoldStore } from '../../src/redis/hold-store.repository.js';
 import { checkpointKey, poolKeys } from '../../src/redis/keys.js';
 import { RebuildService } from '../../src/sweeper/rebuild.service.js';
 import { TestInstance, TestWorld, eventually, numbers, quietSweepers, seedPool, sleep, untilRebuilt } from '../support/harness.js';
-import { OwnRedis } from '../support/services.js';
+import { OwnRedis, databaseUrl } from '../support/services.js';
 
 // Invariants 3 and 5 when Redis goes back in time: restored from an older snapshot (or failed over to a replica that
 // lagged), it keeps its rebuilt-marker, so no wipe is seen. This file runs its own redis-server, which writes its
@@ -243,6 +244,65 @@ describe('Redis restored from an older snapshot', () => {
     const after = await api.post('/v1/pools/stale/reservations', { owner: 'next', count: 2 });
     expect(after.status).toBe(201);
     expect(after.body.items.map((item: { resourceId: string }) => item.resourceId)).not.toContain(kept);
+  });
+
+  it('a confirm, extend or heartbeat received just before its hold ends, on a connection not checked yet, acts at once: the check (Postgres slow to answer it) does not hold it up past the hold', async () => {
+    const setup = await quietInstance();
+    await seedPool(setup, 'deadline', numbers(2, '1390000'));
+    await seedPool(setup, 'deadline-tasks', numbers(1, '1391000'), { kind: 'task' });
+    // Keys bound to their owners: each call also reads whose the reservation is before it acts (mustOwn).
+    const key = (name: string) => ({ authorization: `Bearer ${name}-key-0123456789` });
+    const a = await world.start({
+      RECONCILE_INTERVAL_MS: '0',
+      API_KEYS: ['client:payer', 'client:stayer', 'reviewer:reviewer']
+        .map((entry) => `${entry.split(':')[0]}:${entry.split(':')[1]}-key-0123456789:${entry.split(':')[1]}`)
+        .join(','),
+    });
+    onTestFinished(() => a.close());
+    quietSweepers(a);
+    const paying = await a.post('/v1/pools/deadline/reservations', { owner: 'payer', count: 1, ttlMs: 2000 }, key('payer'));
+    const staying = await a.post('/v1/pools/deadline/reservations', { owner: 'stayer', count: 1, ttlMs: 2000 }, key('stayer'));
+    const lease = await a.post('/v1/pools/deadline-tasks/tasks/next', { reviewer: 'reviewer', leaseMs: 2000 }, key('reviewer'));
+    expect([paying.status, staying.status, lease.status]).toEqual([201, 201, 200]);
+    const end = Math.min(...[paying.body, staying.body, lease.body].map((r) => Date.parse(r.expiresAt)));
+    const until = (at: number) => sleep(Math.max(0, at - Date.now()));
+    await newConnection(a);
+    // The others (below) reserve through an instance whose new connection is checked already: their reserves do not
+    // wait for the check either.
+    await eventually(async () => (await setup.get(`/v1/reservations/${paying.body.id}`)).status === 200, 5000);
+    // Postgres answers the check only after the holds' ends: a session holds the checkpoint's table until then.
+    const locker = new pg.Client({ connectionString: databaseUrl(world.dbName) });
+    await locker.connect();
+    onTestFinished(() => locker.end());
+    await locker.query('BEGIN');
+    await locker.query('LOCK TABLE t_redis_checkpoint IN ACCESS EXCLUSIVE MODE');
+    const unlocked = until(end + 1500).then(() => locker.query('COMMIT'));
+    // Others take what comes free once the holds are over (after their grace, at the sweeper's next pass).
+    const taken: string[] = [];
+    const others = (async () => {
+      await until(end + 300);
+      while (Date.now() < end + 3000) {
+        const [number, task] = await Promise.all([
+          setup.post('/v1/pools/deadline/reservations', { owner: 'other', count: 1 }),
+          setup.post('/v1/pools/deadline-tasks/tasks/next', { reviewer: 'other-reviewer' }),
+        ]);
+        for (const r of [number, task]) if (r.status === 201 || (r.status === 200 && r.body.leaseId)) taken.push(JSON.stringify(r.body));
+        await sleep(20);
+      }
+    })();
+
+    await until(end - 200);
+    const sent = Date.now();
+    const [confirm, extend, heartbeat] = await Promise.all([
+      a.post(`/v1/reservations/${paying.body.id}/confirm`, { resourceIds: [paying.body.items[0].resourceId] }, key('payer')),
+      a.post(`/v1/reservations/${staying.body.id}/extend`, { ttlMs: 60_000 }, key('stayer')),
+      a.post(`/v1/tasks/${lease.body.leaseId}/heartbeat`, { leaseMs: 60_000 }, key('reviewer')),
+    ]);
+    // (They did wait for the check, which gave up on Postgres after a second.)
+    expect(Date.now() - sent).toBeGreaterThanOrEqual(900);
+    await Promise.all([others, unlocked]);
+    expect([confirm.status, extend.status, heartbeat.status]).toEqual([200, 200, 200]);
+    expect(taken).toEqual([]);
   });
 
   it("no false alarm: a checkpoint step left half done is finished, a missing one starts at Postgres', and concurrent checks never find Redis behind", async () => {
