@@ -342,8 +342,9 @@ export class HoldStore implements OnApplicationShutdown {
 
   /**
    * Each time the connection to Redis is made (at start, after a restart or a failover), Redis may have gone back in
-   * time: until `check` has resolved true once since, every reserve, read, pin, release and extend first waits for it
-   * (one at a time, shared), and a rejection answers it (a 503), the next one running it again. Resolved false (it
+   * time: until `check` has resolved true once since, every reserve, read and release first waits for it, and every pin
+   * and extend waits for it after its script (checkedAfter) (one check at a time, shared), and a rejection answers it
+   * (a 503), the next one running it again. Resolved false (it
    * could not tell: Postgres did not answer), they go on unchecked for a second, and the next one after that runs it again (after two seconds the
    * next time in a row, then four, up to 16).
    */

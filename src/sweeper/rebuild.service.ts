@@ -226,7 +226,8 @@ export class RebuildService {
   }
 
   /**
-   * Runs before the first reserve, read, pin, release or extend on each connection to Redis (HoldStore.checkOnConnect):
+   * Runs before the first reserve, read or release on each connection to Redis, and before a pin or an extend answers
+   * (HoldStore.checkOnConnect):
    * a Redis restored from a snapshot, or a replica promoted, is met by a new connection, and its first reserve must not
    * hand out items, or make a new reservation for an Idempotency-Key it lost, nor a release, extend or confirm act on a
    * reservation as it was then, before the sweeper's next check finds it behind. Resolves true if it is not. While it
