@@ -1,10 +1,11 @@
-import { afterAll, beforeAll, describe, expect, it, vi } from 'vitest';
+import { afterAll, beforeAll, describe, expect, it, onTestFinished, vi } from 'vitest';
 import { DomainError } from '../../src/common/errors.js';
 import { PoolRepository } from '../../src/database/pool.repository.js';
 import { ResourceRepository } from '../../src/database/resource.repository.js';
 import { HoldStore } from '../../src/redis/hold-store.repository.js';
 import { CommitService } from '../../src/reservations/commit.service.js';
-import { TestInstance, TestWorld, numbers, seedPool, sleep } from '../support/harness.js';
+import { RebuildService } from '../../src/sweeper/rebuild.service.js';
+import { TestInstance, TestWorld, eventually, numbers, seedPool, sleep } from '../support/harness.js';
 
 const ids = (r: { body: { items: { resourceId: string }[] } }) => r.body.items.map((i) => i.resourceId);
 /** Sleeps until `plusMs` after the reservation's expiresAt. */
@@ -185,5 +186,40 @@ describe('expiry of a reservation whose confirm never ended', () => {
     } finally {
       for (const spy of spies) spy.mockRestore();
     }
+  });
+});
+
+// Invariant 4 while the instance whose sweep found a stalled commit runs a rebuild that takes seconds (of millions of
+// items): the settling of that commit does not wait for it.
+describe('the settling of a stalled commit during a long rebuild', () => {
+  const world = new TestWorld('expiry-rebuild');
+  afterAll(() => world.cleanup());
+
+  it('the item a confirm that died chose is free within 2 s of the end of its commit window while the only instance rebuilds for 6 s', async () => {
+    // The only instance (no other sweeps the pool), rebuilding as often as it can.
+    const api = await world.start({ RECONCILE_INTERVAL_MS: '500' });
+    onTestFinished(() => api.close());
+    await seedPool(api, 'long-rebuild', numbers(1, '1383000'));
+    const rebuilder = api.app.get(RebuildService);
+    const rebuild = rebuilder.rebuild.bind(rebuilder);
+    const slow = vi.spyOn(rebuilder, 'rebuild').mockImplementation(async (reason) => {
+      if (reason === 'periodic') await sleep(6000);
+      return rebuild(reason);
+    });
+    onTestFinished(() => slow.mockRestore());
+    await eventually(async () => slow.mock.calls.some(([reason]) => reason === 'periodic'), 5000);
+    const started = Date.now();
+
+    const r = await api.post('/v1/pools/long-rebuild/reservations', { owner: 'buyer', count: 1, ttlMs: 1000 });
+    const [chosen] = ids(r);
+    await untilExpiry(r, -200);
+    expect((await api.app.get(HoldStore).pin('long-rebuild', r.body.id, [chosen], 1500)).status).toBe('pinned');
+    const windowEnd = Date.now() + 1500;
+    await sleep(windowEnd + 2000 - Date.now());
+    // (Still rebuilding.)
+    expect(Date.now() - started).toBeLessThan(6000);
+    const again = await api.post('/v1/pools/long-rebuild/reservations', { owner: 'next', count: 1 });
+    expect(again.status, JSON.stringify(again.body)).toBe(201);
+    expect(ids(again)).toEqual([chosen]);
   });
 });
