@@ -97,7 +97,8 @@ export class TasksService {
   private async readLease(pool: PoolEntity, leaseId: string): Promise<StoredReservation | null> {
     // (Not waiting for the check of a new connection to Redis, which may take a second: heartbeat and complete act just
     // before the lease ends. The call that acts next waits for it.)
-    const stored = await this.holds.peek(pool.name, leaseId);
+    // Missing, though: read again once the check is done, so that a Redis gone back in time answers 503, not 404.
+    const stored = (await this.holds.peek(pool.name, leaseId)) ?? (await this.holds.read(pool.name, leaseId));
     if (stored && stored.kind !== 'l') throw notFound(leaseId);
     return stored;
   }

@@ -305,6 +305,28 @@ describe('Redis restored from an older snapshot', () => {
     expect(taken).toEqual([]);
   });
 
+  it('a heartbeat, complete or abandon of a lease a Redis gone back in time lacks answers 503 on a new connection, not 404 from that Redis', async () => {
+    const a = await quietInstance();
+    await seedPool(a, 'lost-leases', numbers(3, '1392000'), { kind: 'task' });
+    for (const [call, body] of [
+      ['heartbeat', { leaseMs: 60_000 }],
+      ['complete', {}],
+      ['abandon', {}],
+    ] as const) {
+      const lease = await a.post('/v1/pools/lost-leases/tasks/next', { reviewer: `reviewer-${call}` });
+      expect(lease.status).toBe(200);
+      await a.app.get(RebuildService).checkpoint();
+      // As a snapshot taken before the lease was made would have it: no record of it, and the checkpoint behind.
+      await withRedis((client) => client.del(poolKeys(world.prefix, 'lost-leases').reservation(lease.body.leaseId)));
+      await makeBehind();
+      await newConnection(a);
+      const answer = await a.post(`/v1/tasks/${lease.body.leaseId}/${call}`, body);
+      expect(answer.status, call).toBe(503);
+      expect(answer.body.error.message, call).toMatch(/went back in time/);
+      await eventually(async () => (await a.app.get(HoldStore).rebuildState()) === 'rebuilt' && (await redisCheckpoint()) === null, 10_000);
+    }
+  });
+
   it("no false alarm: a checkpoint step left half done is finished, a missing one starts at Postgres', and concurrent checks never find Redis behind", async () => {
     const [a, b] = [await world.start({ RECONCILE_INTERVAL_MS: '0' }), await world.start({ RECONCILE_INTERVAL_MS: '0' })];
     onTestFinished(async () => void (await Promise.all([a.close(), b.close()])));
