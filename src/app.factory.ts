@@ -188,6 +188,10 @@ export async function createApp(config: AppConfig, options: { logger?: boolean }
   });
   const logRequests = config.LOG_REQUESTS === 'true' && options.logger !== false;
   fastify.addHook('onResponse', async (req: FastifyRequest, reply: FastifyReply) => {
+    // Answered before its body arrived whole (refused in onRequest, or a GET whose body Fastify ignores): the
+    // connection is closed, so that no 408 is written after this answer once REQUEST_TIMEOUT_MS passes, which a
+    // client reusing the connection would take for the answer to its next request.
+    if (!req.raw.complete) req.raw.socket?.destroy();
     metrics.httpDuration.observe(
       { method: req.method, route: req.routeOptions.url ?? 'unmatched', status: String(reply.statusCode) },
       reply.elapsedTime / 1000,

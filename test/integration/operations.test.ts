@@ -67,7 +67,9 @@ describe('operations: health, metrics, OpenAPI, request ids', () => {
     const doc = (await api.get('/docs-json')).body;
     expect(doc.openapi).toMatch(/^3\./);
     // The rule every string of a body is checked against (validation.ts), which no schema keyword states.
-    expect(doc.info.description).toContain('without the NUL character (`\\u0000`; JSON escapes `\\ud800`-`\\udfff` only as a surrogate pair)');
+    expect(doc.info.description).toContain(
+      'without the NUL character (`\\u0000`; JSON escapes `\\ud800`-`\\udfff` only as a surrogate pair)',
+    );
     for (const path of [
       '/v1/pools',
       '/v1/pools/{pool}',
@@ -296,6 +298,18 @@ describe('operations: health, metrics, OpenAPI, request ids', () => {
     expect(waited.status).toBe(409);
     expect(waited.body.error.code).toBe('POOL_EXHAUSTED');
     expect((await slow.get('/v1/pools/stalled')).body.stats).toEqual({ total: 1, free: 0, held: 1, allocated: 0 });
+
+    // Answered before the body it announced arrived (a query string refused at once; a GET, whose body is ignored):
+    // that one answer, and the connection closed, not a 408 written after it a REQUEST_TIMEOUT_MS later, which a
+    // client reusing the connection would read as the answer to its next request.
+    const early = await Promise.all([
+      stalled(
+        `POST /v1/pools/stalled/reservations?x=1 HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{"owner":`,
+      ),
+      stalled(`GET /v1/pools/stalled HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n`),
+    ]);
+    expect(early.map(({ answer }) => answer.match(/^HTTP\/1\.1 \d+/gm))).toEqual([['HTTP/1.1 400'], ['HTTP/1.1 200']]);
+    for (const { afterMs } of early) expect(afterMs).toBeLessThan(1000);
   });
 
   it('refuses a query string on the API, which no call takes, like any unknown field, and changes nothing', async () => {
