@@ -19,6 +19,8 @@ import { AppConfig, expiryBudgetWarning } from './config/app-config.js';
 import { runMigrations } from './database/migrate.js';
 import { unreachable } from './common/dependency-errors.js';
 import { MetricsService } from './metrics/metrics.service.js';
+import { RESERVE_ROUTE } from './reservations/reservations.controller.js';
+import { idempotencyKeyFault } from './reservations/reservations.service.js';
 import { REDIS, assertUsableRedis } from './redis/redis.client.js';
 
 export const API_VERSION = '1';
@@ -183,7 +185,10 @@ export async function createApp(config: AppConfig, options: { logger?: boolean }
   // is not an object is put in one to be linked (linkableBody). A callback hook: no promise on the hot path.
   fastify.addHook('preHandler', (req: FastifyRequest, _reply: FastifyReply, done: () => void) => {
     req.body = linkableBody(req.body);
-    linkRequestParts(req.params, req.body);
+    // A bad Idempotency-Key of a reserve is listed with the path's and the body's bad fields.
+    const badKey =
+      req.method === 'POST' && req.routeOptions.url === RESERVE_ROUTE ? idempotencyKeyFault(req.headers['idempotency-key']) : null;
+    linkRequestParts(req.params, req.body, badKey ? [badKey] : undefined);
     done();
   });
   const logRequests = config.LOG_REQUESTS === 'true' && options.logger !== false;

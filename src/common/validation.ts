@@ -112,12 +112,15 @@ export function linkableBody(body: unknown): unknown {
   return typeof body === 'object' ? body : new NotAnObject(body);
 }
 
-/** Links a request's path parameters and body (linkableBody), before its pipes run. */
-export function linkRequestParts(params: unknown, body: unknown): void {
+/**
+ * Links a request's path parameters and body (linkableBody), before its pipes run. `pending`: bad fields found outside
+ * them (a header), listed with theirs when a pipe refuses; when none does, the handler must refuse them itself.
+ */
+export function linkRequestParts(params: unknown, body: unknown, pending?: FieldError[]): void {
   if (params === null || typeof params !== 'object' || body === null || typeof body !== 'object') return;
   // A route without path parameters has nothing to link (and its params object may be one shared by every request).
   if (!hasOwnKey(params)) return;
-  const link = {};
+  const link: { refused?: DomainError } = pending ? { refused: DomainError.validation(pending) } : {};
   requestParts.set(params, link);
   requestParts.set(body, link);
 }

@@ -9,12 +9,15 @@ import { PoolParams } from '../pools/pool.dto.js';
 import { ConfirmDto, ConfirmResultDto, CreateReservationDto, ExtendDto, ReservationDto, ReservationParams } from './reservation.dto.js';
 import { IDEMPOTENCY_KEY, ReservationsService } from './reservations.service.js';
 
+/** The reserve's route, as Fastify names it (app.factory.ts checks its Idempotency-Key with its path and body). */
+export const RESERVE_ROUTE = '/v1/pools/:pool/reservations';
+
 @ApiTags('reservations')
 @Controller()
 export class ReservationsController {
   constructor(private readonly reservations: ReservationsService) {}
 
-  @Post('v1/pools/:pool/reservations')
+  @Post(RESERVE_ROUTE.slice(1))
   @Roles('client')
   @ApiOperation({ summary: 'Hold `count` free items for an owner, all or nothing' })
   @ApiHeader({

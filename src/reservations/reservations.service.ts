@@ -1,7 +1,7 @@
 import { Injectable, OnModuleDestroy } from '@nestjs/common';
 import { randomUUID } from 'node:crypto';
 import { mustActFor } from '../common/auth.js';
-import { DomainError, ErrorCode } from '../common/errors.js';
+import { DomainError, ErrorCode, FieldError } from '../common/errors.js';
 import { AppConfig } from '../config/app-config.js';
 import { bodyHash } from '../common/stable-json.js';
 import { PoolEntity } from '../database/entities.js';
@@ -16,6 +16,12 @@ import { committedReservationDto, toConfirmResult, toReservationDto } from './re
 
 /** An Idempotency-Key: 1-255 visible ASCII characters. */
 export const IDEMPOTENCY_KEY = /^[\x21-\x7e]{1,255}$/;
+
+/** What is wrong with an Idempotency-Key header, or null (none sent, or a good one). */
+export function idempotencyKeyFault(key: string | string[] | undefined): FieldError | null {
+  if (key === undefined || (typeof key === 'string' && IDEMPOTENCY_KEY.test(key))) return null;
+  return { field: 'Idempotency-Key', reason: 'Idempotency-Key must be 1-255 visible ASCII characters' };
+}
 
 /**
  * A reserve with `waitMs` tries again after WAIT_FIRST_PAUSE_MS, the pause doubling up to WAIT_MAX_PAUSE_MS, each
@@ -182,9 +188,8 @@ export class ReservationsService implements OnModuleDestroy {
     idempotencyKey: string | undefined,
     gone?: AbortSignal,
   ): Promise<ReserveAnswer> {
-    if (idempotencyKey !== undefined && !IDEMPOTENCY_KEY.test(idempotencyKey)) {
-      throw DomainError.validation([{ field: 'Idempotency-Key', reason: 'Idempotency-Key must be 1-255 visible ASCII characters' }]);
-    }
+    const badKey = idempotencyKeyFault(idempotencyKey);
+    if (badKey) throw DomainError.validation([badKey]);
     const pool = await this.catalog.get(poolName);
     const count = dto.count ?? 1;
     const request: ReserveRequest = {

@@ -117,6 +117,22 @@ describe('API.md edges', () => {
     expect(answer.status).toBe(400);
     expect(answer.body.error.details.fields).toHaveLength(200_001);
     expect(answer.body.error.details.fields[0].field).toBe('id');
+    // A bad Idempotency-Key of a reserve is listed with them, and alone when the path and the body are good.
+    const badKey = { 'Idempotency-Key': 'has a space' };
+    expect(await fieldsOf(api.post('/v1/pools/BAD/reservations', { owner: 5 }, badKey))).toEqual([
+      'pool',
+      ['Idempotency-Key', 'owner', 'pool'],
+    ]);
+    expect(await fieldsOf(api.post('/v1/pools/both-bad/reservations', { owner: 5 }, badKey))).toEqual([
+      'Idempotency-Key',
+      ['Idempotency-Key', 'owner'],
+    ]);
+    expect(await fieldsOf(api.post('/v1/pools/both-bad/reservations', { owner: 'o' }, badKey))).toEqual([
+      'Idempotency-Key',
+      ['Idempotency-Key'],
+    ]);
+    // (On another route the header means nothing.)
+    expect((await api.post('/v1/reservations/not-an-id/extend', { ttlMs: 5000 }, badKey)).body.error.details.fields).toHaveLength(1);
     // One part bad: only its fields, as before.
     expect(await fieldsOf(api.post('/v1/pools/BAD/reservations', { owner: 'o' }))).toEqual(['pool', ['pool']]);
     expect(await fieldsOf(api.post('/v1/pools/both-bad/resources', { items: [{ value: '' }] }))).toEqual([
