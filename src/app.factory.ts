@@ -8,11 +8,11 @@ import type { IncomingMessage } from 'node:http';
 import type { Redis } from 'ioredis';
 import { AppModule } from './app.module.js';
 import { API_KEY_SCHEME, RouteRoles, authorize, parseApiKeys } from './common/auth.js';
-import { createValidationPipe, linkableBody, linkRequestParts } from './common/validation.js';
+import { createValidationPipe, hasOwnKey, linkableBody, linkRequestParts } from './common/validation.js';
 import { addValidationLimits } from './common/openapi-limits.js';
 import { addBodyLimitResponses } from './common/api-errors.decorator.js';
 import { createPino, PinoLoggerService } from './common/logger.js';
-import { DomainError, ErrorCode } from './common/errors.js';
+import { DomainError, ErrorCode, FieldError } from './common/errors.js';
 import { MAX_PARAM_LENGTH, clientErrorResponse, mapError } from './common/http-errors.js';
 import { RateLimiter } from './common/rate-limiter.js';
 import { AppConfig, expiryBudgetWarning } from './config/app-config.js';
@@ -29,6 +29,8 @@ declare module 'fastify' {
   interface FastifyRequest {
     /** When this instance took the request up (Date.now(), its own clock): the first thing every request does. */
     receivedAtMs: number;
+    /** The parameters of its query string, which no call of the API takes: refused with its path's and body's faults. */
+    queryFaults: FieldError[] | null;
   }
 }
 
@@ -130,6 +132,7 @@ export async function createApp(config: AppConfig, options: { logger?: boolean }
   const metrics = app.get(MetricsService);
   fastify.decorateRequest('receivedAtMs', 0);
   fastify.decorateRequest('actingFor', null);
+  fastify.decorateRequest('queryFaults', null);
   // Shutting down (SIGTERM): what arrives now, on a connection still open, is refused at once with the API's
   // error body; Fastify adds `Connection: close`, so the client's next request goes to another instance.
   let closing = false;
@@ -169,8 +172,14 @@ export async function createApp(config: AppConfig, options: { logger?: boolean }
     if (refused === undefined && req.url.includes('?') && req.url.startsWith('/v1/')) {
       // No call of the API takes a query string (API.md): a field in one is refused like any unknown field.
       const fields = Object.keys(req.query as object);
-      if (fields.length > 0)
-        refused = DomainError.validation(fields.map((field) => ({ field, reason: `query parameter ${field} is not accepted` })));
+      if (fields.length > 0) {
+        const faults = fields.map((field) => ({ field, reason: `query parameter ${field} is not accepted` }));
+        // Listed with the path's and the body's bad fields by their pipes (linkRequestParts), on a route that has either;
+        // refused here on one that has neither (the pool list).
+        if (req.method === 'POST' || (typeof req.params === 'object' && req.params !== null && hasOwnKey(req.params)))
+          req.queryFaults = faults;
+        else refused = DomainError.validation(faults);
+      }
     }
     if (refused) {
       const mapped = mapError(refused);
@@ -185,10 +194,11 @@ export async function createApp(config: AppConfig, options: { logger?: boolean }
   // is not an object is put in one to be linked (linkableBody). A callback hook: no promise on the hot path.
   fastify.addHook('preHandler', (req: FastifyRequest, _reply: FastifyReply, done: () => void) => {
     req.body = linkableBody(req.body);
-    // A bad Idempotency-Key of a reserve is listed with the path's and the body's bad fields.
+    // A query string, and a bad Idempotency-Key of a reserve, are listed with the path's and the body's bad fields.
     const badKey =
       req.method === 'POST' && req.routeOptions.url === RESERVE_ROUTE ? idempotencyKeyFault(req.headers['idempotency-key']) : null;
-    linkRequestParts(req.params, req.body, badKey ? [badKey] : undefined);
+    const pending = badKey ? [...(req.queryFaults ?? []), badKey] : req.queryFaults;
+    linkRequestParts(req.params, req.body, pending ?? undefined);
     done();
   });
   const logRequests = config.LOG_REQUESTS === 'true' && options.logger !== false;

@@ -114,18 +114,21 @@ export function linkableBody(body: unknown): unknown {
 
 /**
  * Links a request's path parameters and body (linkableBody), before its pipes run. `pending`: bad fields found outside
- * them (a header), listed with theirs when a pipe refuses; when none does, the handler must refuse them itself.
+ * them (the query string, a header), listed with theirs: the first of the request's pipes to refuse, or to pass, throws
+ * them (so a route with `pending` must have a path parameter or a body its pipes validate; app.factory.ts refuses the
+ * query string of another at once).
  */
 export function linkRequestParts(params: unknown, body: unknown, pending?: FieldError[]): void {
   if (params === null || typeof params !== 'object' || body === null || typeof body !== 'object') return;
-  // A route without path parameters has nothing to link (and its params object may be one shared by every request).
-  if (!hasOwnKey(params)) return;
   const link: { refused?: DomainError } = pending ? { refused: DomainError.validation(pending) } : {};
-  requestParts.set(params, link);
+  // A route without path parameters has nothing to link (and its params object may be one shared by every request):
+  // only its body, which is the request's own, when something is pending.
+  if (hasOwnKey(params)) requestParts.set(params, link);
+  else if (!pending) return;
   requestParts.set(body, link);
 }
 
-function hasOwnKey(value: object): boolean {
+export function hasOwnKey(value: object): boolean {
   for (const key in value) if (Object.hasOwn(value, key)) return true;
   return false;
 }
@@ -175,12 +178,19 @@ export class DtoValidationPipe implements PipeTransform {
     const skipped: string[] = [];
     const instance = dto ? dto.build(plain, skipped) : plainToInstance(cls, plain);
     const malformed = malformedStrings(plain);
-    if (malformed.length === 0 && skipped.length === 0 && dto?.passes(instance)) return instance;
+    if (malformed.length === 0 && skipped.length === 0 && dto?.passes(instance)) return passed(value, instance);
     const unknown = skipped.map((field) => ({ field, reason: `property ${field.slice(field.lastIndexOf('.') + 1)} should not exist` }));
     const errors = [...flattenValidationErrors(validateSync(instance, VALIDATOR_OPTIONS)), ...unknown, ...malformed];
     if (errors.length > 0) throw refuse(value, errors, type);
-    return instance;
+    return passed(value, instance);
   }
+}
+
+/** A valid part of a request: its DTO, unless bad fields are pending for the request (linkRequestParts). */
+function passed<T>(value: unknown, instance: T): T {
+  const refused = requestParts.get(value as object)?.refused;
+  if (refused) throw refused;
+  return instance;
 }
 
 /**
