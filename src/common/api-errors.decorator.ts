@@ -2,6 +2,7 @@ import { applyDecorators } from '@nestjs/common';
 import { ApiExtraModels, ApiProperty, ApiResponse, getSchemaPath } from '@nestjs/swagger';
 import type { OpenAPIObject } from '@nestjs/swagger';
 import { ErrorCode, HTTP_STATUS } from './errors.js';
+import { MAX_LISTED_FIELDS } from './http-errors.js';
 
 export class ErrorDetailDto {
   @ApiProperty({ description: 'Machine-readable error code', enum: ErrorCode })
@@ -29,6 +30,10 @@ export class ErrorDetailDto {
             reason: { type: 'string', description: 'Why it was refused' },
           },
         },
+      },
+      fieldsOmitted: {
+        type: 'integer',
+        description: `VALIDATION_FAILED with more than ${MAX_LISTED_FIELDS} bad fields: how many more there are (\`fields\` lists the first ${MAX_LISTED_FIELDS})`,
       },
       receivedAt: {
         type: 'string',

@@ -33,6 +33,11 @@ export interface CompiledDto {
   /** `skipped` collects the fields (as `items.0.toString`) of the keys build leaves out, to refuse them. */
   build(plain: object, skipped?: string[]): object;
   passes(instance: object): boolean;
+  /**
+   * The fields (as `items.0.colour`) of the keys `plain` has that the class, or the class of a nested object, does
+   * not name (which validateSync refuses one error object each): the first `limit`, and how many in all.
+   */
+  unknownFields(plain: object, limit: number): { fields: string[]; count: number };
 }
 
 // class-transformer's decorator metadata; not exported by its index, so read from the module its decorators use.
@@ -65,7 +70,20 @@ const dtos = new Map<DtoClass, CompiledDto | undefined>();
 export function compileDto(cls: DtoClass): CompiledDto | undefined {
   if (!dtos.has(cls)) {
     const rule = ruleOf(cls);
-    dtos.set(cls, rule ? { build: (plain, skipped) => buildChecked(cls, rule, plain, skipped), passes } : undefined);
+    dtos.set(
+      cls,
+      rule
+        ? {
+            build: (plain, skipped) => buildChecked(cls, rule, plain, skipped),
+            passes,
+            unknownFields: (plain, limit) => {
+              const found = { fields: [] as string[], count: 0 };
+              collectUnknown(rule, plain, '', limit, found);
+              return found;
+            },
+          }
+        : undefined,
+    );
   }
   return dtos.get(cls);
 }
@@ -237,6 +255,29 @@ function nestedPasses(value: unknown): boolean {
     return true;
   }
   return value instanceof Object && passes(value);
+}
+
+function collectUnknown(rule: ClassRule, plain: object, path: string, limit: number, found: { fields: string[]; count: number }): void {
+  for (const key in plain) {
+    if (!Object.hasOwn(plain, key)) continue;
+    const field = path ? `${path}.${key}` : key;
+    if (!rule.known.has(key)) {
+      if (found.count++ < limit) found.fields.push(field);
+      continue;
+    }
+    const type = rule.types.get(key);
+    const value = (plain as Record<string, unknown>)[key];
+    if (!type || value === null || typeof value !== 'object') continue;
+    const inner = compiled.get(type)!;
+    if (!Array.isArray(value)) collectUnknown(inner, value, field, limit, found);
+    else {
+      for (let i = 0; i < value.length; i++) {
+        const element: unknown = value[i];
+        if (element !== null && typeof element === 'object' && !Array.isArray(element))
+          collectUnknown(inner, element, `${field}.${i}`, limit, found);
+      }
+    }
+  }
 }
 
 /** Thrown by a build that keeps no paths when it meets a key to skip. */

@@ -8,6 +8,9 @@ export interface MappedError {
   internal: boolean;
 }
 
+/** Bad fields an answer lists at most (one for each item of the largest import), with `fieldsOmitted` for the rest. */
+export const MAX_LISTED_FIELDS = 10_000;
+
 /** Longest path parameter Fastify's router takes; a longer one is answered through FASTIFY_CODES. */
 export const MAX_PARAM_LENGTH = 500;
 
@@ -63,12 +66,23 @@ export function clientErrorResponse(err: { code?: string }): string | null {
 }
 
 /**
+ * The details of an answer with the first MAX_LISTED_FIELDS of its bad fields, and how many more there are: a body of
+ * hundreds of thousands of unknown fields made an answer of tens of megabytes.
+ */
+function listedAtMost(details: Record<string, unknown>): Record<string, unknown> {
+  const fields = details.fields;
+  if (!Array.isArray(fields) || fields.length <= MAX_LISTED_FIELDS) return details;
+  const omitted = typeof details.fieldsOmitted === 'number' ? details.fieldsOmitted : 0;
+  return { ...details, fields: fields.slice(0, MAX_LISTED_FIELDS), fieldsOmitted: omitted + fields.length - MAX_LISTED_FIELDS };
+}
+
+/**
  * Maps anything thrown while serving a request onto the API's error body. Unknown errors become
  * 500 INTERNAL_ERROR with a generic message: nothing internal leaks to the client.
  */
 export function mapError(err: unknown): MappedError {
   if (err instanceof DomainError) {
-    return { status: err.status, body: errorBody(err.code, err.message, err.details), internal: false };
+    return { status: err.status, body: errorBody(err.code, err.message, listedAtMost(err.details)), internal: false };
   }
   const e = err as {
     code?: unknown;

@@ -69,6 +69,8 @@ export function IsCharLength(min: number, max: number, options?: ValidationOptio
   };
 }
 
+/** Items one import takes at most. */
+export const MAX_IMPORT_ITEMS = 10_000;
 export const MAX_ATTRIBUTES = 32;
 export const MAX_ATTRIBUTE_KEY = 64;
 export const MAX_ATTRIBUTE_VALUE = 256;

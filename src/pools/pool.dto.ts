@@ -14,7 +14,15 @@ import {
   Min,
   ValidateNested,
 } from 'class-validator';
-import { IsCharLength, IsFlatStringRecord, IsResourceId, Omittable, POOL_NAME, RESOURCE_ID } from '../common/validators.js';
+import {
+  IsCharLength,
+  IsFlatStringRecord,
+  IsResourceId,
+  MAX_IMPORT_ITEMS,
+  Omittable,
+  POOL_NAME,
+  RESOURCE_ID,
+} from '../common/validators.js';
 
 export const POOL_KINDS = ['number', 'task'] as const;
 export type PoolKind = (typeof POOL_KINDS)[number];
@@ -155,7 +163,7 @@ export class ImportResourcesDto {
   @ApiProperty({ description: 'Items to add, 1 to 10,000', type: [ImportItemDto] })
   @IsArray()
   @ArrayMinSize(1)
-  @ArrayMaxSize(10_000)
+  @ArrayMaxSize(MAX_IMPORT_ITEMS)
   @IsObject({ each: true })
   @ValidateNested({ each: true })
   @Type(() => ImportItemDto)

@@ -1,4 +1,5 @@
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { MAX_BODY_NODES } from '../../src/common/validation.js';
 import { TestInstance, TestWorld, numbers, seedPool } from '../support/harness.js';
 
 /**
@@ -110,13 +111,15 @@ describe('API.md edges', () => {
     ]);
     expect(await fieldsOf(api.post('/v1/tasks/not-an-id/complete', { bogus: 1 }))).toEqual(['leaseId', ['bogus', 'leaseId']]);
     expect(await fieldsOf(api.request('DELETE', '/v1/reservations/not-an-id', 7))).toEqual(['id', ['body', 'id']]);
-    // A body naming a great many unknown fields, on a route that takes none: a 400 listing them all (was a 500: the
-    // fields were added to the path's refusal as the arguments of one call).
+    // A body naming a great many unknown fields, on a route that takes none: a 400 (was a 500: the fields were added
+    // to the path's refusal as the arguments of one call) listing the first 10,000 and counting the rest.
     const many = Object.fromEntries(Array.from({ length: 200_000 }, (_, i) => [`f${i}`, 1]));
     const answer = await api.request('DELETE', '/v1/reservations/not-an-id', many);
     expect(answer.status).toBe(400);
-    expect(answer.body.error.details.fields).toHaveLength(200_001);
+    expect(answer.body.error.details.fields).toHaveLength(10_000);
+    expect(answer.body.error.details.fieldsOmitted).toBe(190_001);
     expect(answer.body.error.details.fields[0].field).toBe('id');
+    expect(answer.body.error.details.fields[1].field).toBe('f0');
     // A bad Idempotency-Key of a reserve is listed with them, and alone when the path and the body are good.
     const badKey = { 'Idempotency-Key': 'has a space' };
     expect(await fieldsOf(api.post('/v1/pools/BAD/reservations', { owner: 5 }, badKey))).toEqual([
@@ -140,6 +143,37 @@ describe('API.md edges', () => {
       ['items.0.value'],
     ]);
     expect((await api.get('/v1/pools/both-bad')).body.stats).toEqual({ total: 2, free: 2, held: 0, allocated: 0 });
+  });
+
+  it('a body of more fields and array elements than any valid one (900,000 unknown fields in 8 MB ran the instance out of memory) is refused at once, naming the body, and changes nothing', async () => {
+    await seedPool(api, 'wide', numbers(2));
+    const reservation = await api.post('/v1/pools/wide/reservations', { owner: 'u', count: 1 });
+    // Just over the most a valid body has (an import of 10,000 items of 32 attributes each).
+    const fields = MAX_BODY_NODES + 1;
+    const wide = `{"owner":"u"${Array.from({ length: fields }, (_, i) => `,"${i.toString(36)}":0`).join('')}}`;
+    const long = `{"items":[${new Array(fields).fill('0').join(',')}]}`;
+    const json = { 'content-type': 'application/json' };
+    for (const [method, path, body] of [
+      ['POST', '/v1/pools/wide/reservations', wide],
+      ['POST', '/v1/pools/wide/resources', long],
+      ['DELETE', `/v1/reservations/${reservation.body.id}`, wide],
+    ] as const) {
+      const answer = await api.request(method, path, body, json);
+      expect(answer.status, `${method} ${path}`).toBe(400);
+      expect(answer.body.error.details.fields, `${method} ${path}`).toEqual([
+        { field: 'body', reason: `the body has more than ${MAX_BODY_NODES} fields and array elements in all` },
+      ]);
+    }
+    // Under that, unknown fields by the hundred thousand: the first 10,000 listed, the rest counted.
+    const unknown = 360_000;
+    const many = `{"owner":"u"${Array.from({ length: unknown }, (_, i) => `,"${i.toString(36)}":0`).join('')}}`;
+    const answer = await api.request('POST', '/v1/pools/wide/reservations', many, json);
+    expect(answer.status).toBe(400);
+    expect(answer.body.error.details.fields).toHaveLength(10_000);
+    expect(answer.body.error.details.fields[0]).toEqual({ field: '0', reason: 'property 0 should not exist' });
+    expect(answer.body.error.details.fieldsOmitted).toBe(unknown - 10_000);
+    expect(await api.stats('wide')).toEqual({ total: 2, free: 1, held: 1, allocated: 0 });
+    expect((await api.get(`/v1/reservations/${reservation.body.id}`)).body.state).toBe('held');
   });
 
   it('a body nested thousands of levels deep is 400 VALIDATION_FAILED (was a 500: the copy recursed past the stack) and changes nothing', async () => {
