@@ -44,9 +44,16 @@ export function idempotencyKeyFault(key: string | string[] | undefined): FieldEr
  * it tries again within 75 ms of their return; at most WAIT_MAX_HEADS waiters an instance pause so briefly (a client
  * may make every waiter the first of a line of its own, a filter each), the others keep their backoff. When the
  * connection is lost, those first in line are woken to start doing so.
+ *
+ * A waiter whose filter has several conditions (no line) backs off to WAIT_LINELESS_PAUSE_MS while wake-ups are live:
+ * each try of it counts the free items that match every condition, a pass over the smallest of their sets in Redis
+ * (28-45 ms with sets of 100,000), and 50 such waiters of a pool of 200,000 items, trying every 250-375 ms, held
+ * Redis at 100 % for every client (a security review). Woken when matching items come free, it waits as long as
+ * before for them; only a lost wake-up (a free on an instance whose message it missed) is found later.
  */
 export const WAIT_FIRST_PAUSE_MS = 25;
 export const WAIT_MAX_PAUSE_MS = 250;
+export const WAIT_LINELESS_PAUSE_MS = 2_000;
 export const WAIT_HEAD_PAUSE_MS = 50;
 export const WAIT_MAX_HEADS = 64;
 export const WAKE_MAX_WAITERS = 64;
@@ -311,7 +318,8 @@ export class ReservationsService implements OnModuleDestroy {
       let triedAt = Date.now();
       try {
         stopWaiting = this.startWaiting(pool, me);
-        for (let pause = WAIT_FIRST_PAUSE_MS; ; pause = Math.min(2 * pause, WAIT_MAX_PAUSE_MS)) {
+        const longest = () => (line === '' && this.wakeUps.live(pool) ? WAIT_LINELESS_PAUSE_MS : WAIT_MAX_PAUSE_MS);
+        for (let pause = WAIT_FIRST_PAUSE_MS; ; pause = Math.min(2 * pause, longest())) {
           if (this.stopping) throw DomainError.shuttingDown();
           const left = deadline - Date.now();
           if (left <= 0 || gone?.aborted) return result;

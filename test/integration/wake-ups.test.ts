@@ -258,6 +258,32 @@ describe('waiters woken when items come free', () => {
     expect((await woken(api)) - before).toBe(2);
   });
 
+  it('a waiter whose filter has several conditions (each try a pass over sets in Redis) backs off to 2 s while woken by frees, and a matching free still serves it at once', async () => {
+    await seedPool(api, 'lineless', [
+      { value: '13900000001', attributes: { city: 'bj', carrier: 'x' } },
+      { value: '13900000002', attributes: { city: 'sh', carrier: 'y' } },
+    ]);
+    const holder = await reserve('lineless', { owner: 'holder', count: 2 });
+    expect(holder.status).toBe(201);
+    const tries = vi.spyOn(api.app.get(HoldStore), 'reserve');
+    const filter = { attributes: { city: 'bj', carrier: 'x' } };
+    const [waiter] = await startWaiters('lineless', [{ owner: 'patient', count: 1, waitMs: 15_000, filter }]);
+    // 25, 50, 100 ... ms, then 2 s (to 3 s with the jitter): at most 11 tries in 9 s; 30 or more at the 250 ms of a
+    // waiter with a line.
+    await sleep(9_000);
+    const tried = tries.mock.calls.filter(([pool]) => pool === 'lineless').length;
+    tries.mockRestore();
+    expect(tried).toBeGreaterThanOrEqual(3);
+    expect(tried).toBeLessThanOrEqual(11);
+    const released = Date.now();
+    expect((await api.del(`/v1/reservations/${holder.body.id}`)).status).toBe(200);
+    const served = await waiter;
+    expect(served.status).toBe(201);
+    expect(served.body.items[0].value).toBe('13900000001');
+    // Woken, not found at its next try up to 3 s later.
+    expect(Date.now() - released).toBeLessThan(1_000);
+  });
+
   it('first fit: a waiter behind one that wants more than came free is woken too, and gets it', async () => {
     await seedPool(api, 'fit', numbers(1));
     const holder = (await reserve('fit', { owner: 'holder', count: 1 })).body;
