@@ -189,6 +189,9 @@ export const OPEN_RECORD_MARGIN_MS = 86_400_000;
 const REBUILD_RUN_KEY_MS = 24 * 3600_000;
 /** Reserves waiting to be undone at most (undoLater); past that, one is left to expire with its hold. */
 const MAX_PENDING_UNDOS = 10_000;
+/** What a call acts on: 'r' a reservation, 'l' a task lease, '' either (a record of the other kind is missing to it). */
+export type RecordKind = 'r' | 'l' | '';
+
 /** The rebuilt-marker and Redis' checkpoint, as read together (null: the key is missing). */
 export interface RedisCheckpoint {
   marker: string | null;
@@ -514,12 +517,21 @@ export class HoldStore implements OnApplicationShutdown {
     return reply[0] === 'ok' ? parseReservation(reply) : null;
   }
 
-  /** `endedEpoch`: an epoch Postgres has ended; the pin starts a new one rather than join it. */
-  async pin(pool: string, reservationId: string, selection: string[], windowMs: number, endedEpoch?: number): Promise<PinResult> {
+  /**
+   * `endedEpoch`: an epoch Postgres has ended; the pin starts a new one rather than join it. `kind`: as for release.
+   */
+  async pin(
+    pool: string,
+    reservationId: string,
+    selection: string[],
+    windowMs: number,
+    endedEpoch?: number,
+    kind: RecordKind = '',
+  ): Promise<PinResult> {
     // Pinned at once, checked before the commit: should Redis be found behind, what the pin did is undone (the attempt
     // surely never reached Postgres), and the confirm answered 503.
     return this.checkedAfter(
-      () => this.pinNow(pool, reservationId, selection, windowMs, endedEpoch),
+      () => this.pinNow(pool, reservationId, selection, windowMs, endedEpoch, kind),
       (pinned) => (pinned.status === 'pinned' ? this.unpin(pool, pinned, true) : Promise.resolve()),
     );
   }
@@ -529,7 +541,8 @@ export class HoldStore implements OnApplicationShutdown {
     reservationId: string,
     selection: string[],
     windowMs: number,
-    endedEpoch?: number,
+    endedEpoch: number | undefined,
+    kind: RecordKind,
   ): Promise<PinResult> {
     // The attempt's token: a second send after a timeout carries the same, and learns whether its first run opened
     // the epoch (pin.lua).
@@ -543,6 +556,7 @@ export class HoldStore implements OnApplicationShutdown {
       endedEpoch ?? '',
       this.openRecordMs,
       randomUUID(),
+      kind,
     );
     switch (reply[0]) {
       case 'pinned':
@@ -595,11 +609,14 @@ export class HoldStore implements OnApplicationShutdown {
     return (await this.run<number>('unpin', pool, r.id, r.epoch, pinNumber, this.config.HOLD_GRACE_MS, ...undo)) === 1;
   }
 
-  /** `abortedEpoch`: the reservation's commit epoch, which Postgres has recorded as given up. */
-  async release(pool: string, reservationId: string, abortedEpoch?: number): Promise<ReleaseResult> {
+  /**
+   * `abortedEpoch`: the reservation's commit epoch, which Postgres has recorded as given up. `kind`: what the caller acts
+   * on (a reservation, a lease; '': either): a record of the other kind is 'missing' to it.
+   */
+  async release(pool: string, reservationId: string, abortedEpoch?: number, kind: RecordKind = ''): Promise<ReleaseResult> {
     const unchecked = this.connectChecked();
     if (unchecked) await this.whenChecked(unchecked);
-    const reply = await this.run<string[]>('release', pool, reservationId, this.retentionMs, abortedEpoch ?? '', '', '');
+    const reply = await this.run<string[]>('release', pool, reservationId, this.retentionMs, abortedEpoch ?? '', '', '', kind);
     if (reply[0] === 'released' || reply[0] === 'confirmed') return { status: reply[0], reservation: parseReservation(reply) };
     if (reply[0] === 'undecided') return { status: 'undecided', epoch: Number(reply[1]) };
     return { status: reply[0] as 'busy' | 'missing' };
@@ -649,11 +666,12 @@ export class HoldStore implements OnApplicationShutdown {
     return this.undos.retry((undo) => this.undoReserve(undo.pool, undo.reservationId, undo.idempotencyKey));
   }
 
-  async extend(pool: string, reservationId: string, ttlMs: number): Promise<ExtendResult> {
+  /** `kind`: as for release. */
+  async extend(pool: string, reservationId: string, ttlMs: number, kind: RecordKind = ''): Promise<ExtendResult> {
     // Extended at once, then checked: a Redis found behind is dropped, this extension with it.
     return this.checkedAfter(
       async (): Promise<ExtendResult> => {
-        const reply = await this.run<string[]>('extend', pool, reservationId, ttlMs, this.openRecordMs, this.config.HOLD_GRACE_MS);
+        const reply = await this.run<string[]>('extend', pool, reservationId, ttlMs, this.openRecordMs, this.config.HOLD_GRACE_MS, kind);
         if (reply[0] === 'extended') return { status: 'extended', reservation: parseReservation(reply) };
         return { status: reply[0] as 'expired' | 'confirming' | 'closed' | 'missing' };
       },

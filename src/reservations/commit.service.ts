@@ -68,16 +68,24 @@ export class CommitService {
   ) {}
 
   /**
-   * `decidedEpoch`: this is the one more try of a commit whose epoch Postgres ended before it landed (the sweeper
-   * gave it up while the commit was slow, or another attempt of it got no answer): its pin must not join that epoch.
+   * `kind`: a confirm acts on reservations ('r'), a task complete on leases ('l'): one of the other kind is unknown to
+   * it (404). `decidedEpoch`: this is the one more try of a commit whose epoch Postgres ended before it landed (the
+   * sweeper gave it up while the commit was slow, or another attempt of it got no answer): its pin must not join that
+   * epoch.
    */
-  async commit(pool: PoolEntity, reservationId: string, resourceIds: string[], decidedEpoch?: number): Promise<CommitOutcome> {
+  async commit(
+    pool: PoolEntity,
+    reservationId: string,
+    resourceIds: string[],
+    kind: 'r' | 'l',
+    decidedEpoch?: number,
+  ): Promise<CommitOutcome> {
     const selection = [...resourceIds].sort(compareIds);
-    const pin = await this.holds.pin(pool.name, reservationId, selection, this.config.COMMIT_WINDOW_MS, decidedEpoch);
+    const pin = await this.holds.pin(pool.name, reservationId, selection, this.config.COMMIT_WINDOW_MS, decidedEpoch, kind);
     switch (pin.status) {
       case 'missing': {
         // Redis no longer knows it (wiped, or retention over): Postgres knows every commit.
-        const committed = await this.landedCommit(reservationId);
+        const committed = await this.landedCommit(reservationId, kind);
         if (committed) return sameSelection(committed, selection);
         throw notFound(reservationId);
       }
@@ -182,7 +190,7 @@ export class CommitService {
       // it up (see the catch above). The hold may well be due still, and API.md promises such a confirm success:
       // once more, in a new epoch (never the ended one, though its window may still be open). Its items are still
       // this reservation's unless its hold ran out and someone took them (then HOLD_LOST, as it should be).
-      if (!again) return this.commit(pool, r.id, selection, r.epoch);
+      if (!again) return this.commit(pool, r.id, selection, r.kind, r.epoch);
       this.metrics.confirmConflicts.inc({ reason: 'commit_window_passed' });
       // Nobody took the items: Postgres was too slow, twice. HOLD_LOST would tell the caller to give up.
       throw new DomainError(
@@ -232,12 +240,14 @@ export class CommitService {
   /**
    * The reservation's commit as Postgres recorded it, or null. Its allocated items are rebuilt field by field:
    * jsonb keeps an object's keys in an order of its own, and an answer from this commit (a repeated confirm, the
-   * record finish writes back to Redis) must have the same bytes as the first.
+   * record finish writes back to Redis) must have the same bytes as the first. `kind`: only a reservation's ('r') or a
+   * lease's ('l') commit; null for one of the other kind.
    */
-  async landedCommit(reservationId: string): Promise<CommitOutcome | null> {
+  async landedCommit(reservationId: string, kind?: 'r' | 'l'): Promise<CommitOutcome | null> {
     const row = await this.commits.find(reservationId);
     if (!row) return null;
     const outcome = row.body as unknown as CommitOutcome;
+    if (kind !== undefined && (isLeaseCommit(outcome) ? 'l' : 'r') !== kind) return null;
     return { ...outcome, allocated: outcome.allocated.map(({ resourceId, value, version }) => ({ resourceId, value, version })) };
   }
 

@@ -501,8 +501,12 @@ export class ReservationsService implements OnModuleDestroy {
   async get(id: string): Promise<ReservationDto> {
     const pool = await poolOf(this.catalog, id);
     const stored = await this.holds.read(pool.name, id);
-    if (stored) return toReservationDto(pool.name, await this.settledView(pool, stored));
-    const committed = await this.committer.landedCommit(id);
+    // A task lease is no reservation, as a reservation is no lease to the task calls: unknown here (404).
+    if (stored) {
+      if (stored.kind !== 'r') throw notFound(id);
+      return toReservationDto(pool.name, await this.settledView(pool, stored));
+    }
+    const committed = await this.committer.landedCommit(id, 'r');
     if (committed) return committedReservationDto(pool.name, id, committed);
     throw notFound(id);
   }
@@ -520,13 +524,16 @@ export class ReservationsService implements OnModuleDestroy {
 
   async extend(id: string, ttlMs: number): Promise<ReservationDto> {
     const pool = await poolOf(this.catalog, id);
-    const stored = await this.extendHold(pool, id, ttlMs);
+    const stored = await this.extendHold(pool, id, ttlMs, 'r');
     return toReservationDto(pool.name, stored);
   }
 
-  /** Extend and heartbeat: expiresAt = now + ttl, capped by the pool's maxHoldTtlMs. */
-  async extendHold(pool: PoolEntity, id: string, ttlMs: number): Promise<StoredReservation> {
-    const result = await this.holds.extend(pool.name, id, Math.min(ttlMs, pool.maxHoldTtlMs));
+  /**
+   * Extend ('r') and heartbeat ('l'): expiresAt = now + ttl, capped by the pool's maxHoldTtlMs. A record of the other
+   * kind is unknown to it (404).
+   */
+  async extendHold(pool: PoolEntity, id: string, ttlMs: number, kind: 'r' | 'l'): Promise<StoredReservation> {
+    const result = await this.holds.extend(pool.name, id, Math.min(ttlMs, pool.maxHoldTtlMs), kind);
     switch (result.status) {
       case 'extended':
         return result.reservation;
@@ -538,7 +545,7 @@ export class ReservationsService implements OnModuleDestroy {
         throw new DomainError(ErrorCode.RESERVATION_CLOSED, 'the reservation is already confirmed or released', { id });
       case 'missing':
         // Redis no longer has it (retention over, or a wipe): a confirmed one is still known to Postgres.
-        if (await this.committer.landedCommit(id)) {
+        if (await this.committer.landedCommit(id, kind)) {
           throw new DomainError(ErrorCode.RESERVATION_CLOSED, 'the reservation is confirmed', { id });
         }
         throw notFound(id);
@@ -547,22 +554,23 @@ export class ReservationsService implements OnModuleDestroy {
 
   async confirm(id: string, resourceIds: string[]): Promise<ConfirmResultDto> {
     const pool = await poolOf(this.catalog, id);
-    const outcome = await this.committer.commit(pool, id, resourceIds);
+    const outcome = await this.committer.commit(pool, id, resourceIds, 'r');
     return toConfirmResult(id, outcome);
   }
 
   async release(id: string): Promise<ReservationDto> {
     const pool = await poolOf(this.catalog, id);
-    return toReservationDto(pool.name, await this.releaseHold(pool, id));
+    return toReservationDto(pool.name, await this.releaseHold(pool, id, 'r'));
   }
 
-  async releaseHold(pool: PoolEntity, id: string): Promise<StoredReservation> {
-    let result = await this.holds.release(pool.name, id);
+  /** DELETE ('r') and abandon ('l'): a record of the other kind is unknown to it (404). */
+  async releaseHold(pool: PoolEntity, id: string, kind: 'r' | 'l'): Promise<StoredReservation> {
+    let result = await this.holds.release(pool.name, id, undefined, kind);
     if (result.status === 'undecided') {
       // A confirm of it failed without an answer from Postgres: settle that commit first. Landed: the
       // reservation is confirmed now, and the release answers so. Given up: the release goes ahead.
       await this.committer.settle(pool, id, result.epoch);
-      result = await this.holds.release(pool.name, id, result.epoch);
+      result = await this.holds.release(pool.name, id, result.epoch, kind);
     }
     switch (result.status) {
       case 'released':
@@ -575,7 +583,7 @@ export class ReservationsService implements OnModuleDestroy {
       case 'busy':
         throw confirmInProgress(id);
       case 'missing': {
-        if (await this.committer.landedCommit(id)) {
+        if (await this.committer.landedCommit(id, kind)) {
           throw new DomainError(ErrorCode.RESERVATION_CLOSED, 'the reservation is confirmed', { id });
         }
         throw notFound(id);

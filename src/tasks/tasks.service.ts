@@ -55,7 +55,7 @@ export class TasksService {
     const pool = await this.leasePool(leaseId);
     // Redis no longer has it: 409 if it is a completed lease (extendHold says so), 404 if it is none.
     if (!(await this.readLease(pool, leaseId))) await this.landedLease(leaseId);
-    const lease = await this.reservations.extendHold(pool, leaseId, leaseMs ?? pool.holdTtlMs);
+    const lease = await this.reservations.extendHold(pool, leaseId, leaseMs ?? pool.holdTtlMs, 'l');
     return { leaseId, expiresAt: new Date(lease.expiresMs).toISOString() };
   }
 
@@ -64,7 +64,7 @@ export class TasksService {
     const stored = await this.readLease(pool, leaseId);
     const resourceId = stored?.items[0]?.id;
     if (stored && resourceId) {
-      const outcome = await this.committer.commit(pool, leaseId, [resourceId]);
+      const outcome = await this.committer.commit(pool, leaseId, [resourceId], 'l');
       return { leaseId, resourceId: outcome.allocated[0].resourceId, state: 'completed' };
     }
     // Redis no longer has the lease (retention over, or a wipe): answer from its Postgres commit row, if it was
@@ -77,7 +77,7 @@ export class TasksService {
     const pool = await this.leasePool(leaseId);
     // Redis no longer has it: 409 if it is a completed lease (releaseHold says so), 404 if it is none.
     if (!(await this.readLease(pool, leaseId))) await this.landedLease(leaseId);
-    const lease = await this.reservations.releaseHold(pool, leaseId);
+    const lease = await this.reservations.releaseHold(pool, leaseId, 'l');
     return { leaseId, resourceId: lease.items[0].id, state: 'abandoned' };
   }
 

@@ -210,6 +210,32 @@ describe('task calls once a closed record has left Redis', () => {
     ]);
   }, 30_000);
 
+  it('a lease is no reservation: read, extend, confirm and DELETE through /reservations answer 404 while it is live, once completed, and after its record left Redis, and change nothing', async () => {
+    const a = await world.start();
+    expect((await a.post('/v1/pools', { name: 'leased', kind: 'task' })).status).toBe(201);
+    expect((await a.post('/v1/pools/leased/resources', { items: [{ value: 'task-l' }] })).status).toBe(201);
+    const lease = await a.post('/v1/pools/leased/tasks/next', { reviewer: 'rv', leaseMs: 60_000 });
+    expect(lease.status).toBe(200);
+    const { leaseId, resourceId } = lease.body;
+    const calls = async () => ({
+      read: (await a.get(`/v1/reservations/${leaseId}`)).status,
+      extend: (await a.post(`/v1/reservations/${leaseId}/extend`, { ttlMs: 3_000_000 })).status,
+      confirm: (await a.post(`/v1/reservations/${leaseId}/confirm`, { resourceIds: [resourceId] })).status,
+      release: (await a.del(`/v1/reservations/${leaseId}`)).status,
+    });
+    const unknown = { read: 404, extend: 404, confirm: 404, release: 404 };
+    expect(await calls()).toEqual(unknown);
+    // The lease goes on: nothing allocated, and its reviewer's heartbeat and complete succeed.
+    const beat = await a.post(`/v1/tasks/${leaseId}/heartbeat`, { leaseMs: 60_000 });
+    expect(beat.status).toBe(200);
+    expect((await world.query(`SELECT state FROM t_resource WHERE id = $1`, [resourceId]))[0].state).toBe(1);
+    expect((await a.post(`/v1/tasks/${leaseId}/complete`)).status).toBe(200);
+    expect(await calls()).toEqual(unknown);
+    await sleep(1600); // past the retention: only the commit in Postgres is left
+    expect(await calls()).toEqual(unknown);
+    expect((await a.post(`/v1/tasks/${leaseId}/complete`)).status).toBe(200);
+  }, 30_000);
+
   it('extend of a confirmed reservation and heartbeat of a completed lease answer 409 RESERVATION_CLOSED before and after', async () => {
     const a = await world.start();
     const b = await world.start();

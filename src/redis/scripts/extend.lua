@@ -1,13 +1,15 @@
 -- extend: extend a live reservation or heartbeat a lease: expiresAt = now + ttl.
 -- ARGV: 1 base, 2 rid, 3 ttl ms (already capped by the pool's maxHoldTtlMs), 4 how long the record outlives its
---       hold, ms (see reserve), 5 grace ms (see reserve)
+--       hold, ms (see reserve), 5 grace ms (see reserve), 6 the kind the caller acts on ("r" a reservation, "l" a
+--       lease; "" or none: either): a record of the other kind is "missing" to it
 -- Returns: {"extended", ...reservation} | {"expired"} | {"confirming"} (a confirm of it is committing) | {"closed"} |
 --          {"missing"}
 local base, rid, ttl, open_record_ms, grace = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
+local kind = ARGV[6] or ''
 local rkey = base .. 'r:' .. rid
 local r = read_reservation(rkey)
 local now = now_ms()
-if not r then return { 'missing' } end
+if not r or (kind ~= '' and r.k ~= kind) then return { 'missing' } end
 if r.s == 'expired' or (r.s == 'held' and tonumber(r.e) <= now) then return { 'expired' } end
 if r.s == 'confirming' then return { 'confirming' } end
 if r.s ~= 'held' then return { 'closed' } end

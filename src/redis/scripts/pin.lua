@@ -13,7 +13,8 @@
 --       reserve), 6 an epoch Postgres has ended ("" = none known): the pin then joins no epoch, even while its window
 --       is open, but one its own first run opened (a re-send),
 --       7 how long an open record lasts at least (see reserve): a pin re-opens an expired one, 8 the attempt's token
---       (the same in both sends of a pin HoldStore sends again after a Redis timeout)
+--       (the same in both sends of a pin HoldStore sends again after a Redis timeout), 9 the kind the caller acts on
+--       ("r" a reservation, "l" a lease; "" or none: either): a record of the other kind is "missing" to it
 -- Returns: {"pinned", rid, state, owner, kind, createdMs, expiresMs, itemsJson, outcomeJson, nowMs, epoch, generation,
 --          pinnedUntil, retaken: the ids of the selected items whose hold had run out, which this pin took back
 --          (comma separated), opened: "1" if this pin started the epoch (else it joined one), this pin's number;
@@ -22,11 +23,11 @@
 --          | {"confirmed", ...the same fields up to pinnedUntil} (already committed) | {"missing"} | {"closed"} | {"notin", id}
 --          | {"lost", id}
 local base, rid, window, selection, grace, ended = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4], tonumber(ARGV[5]), ARGV[6]
-local open_record, token = tonumber(ARGV[7]), ARGV[8]
+local open_record, token, kind = tonumber(ARGV[7]), ARGV[8], ARGV[9] or ''
 local rkey = base .. 'r:' .. rid
 local r = read_reservation(rkey)
 local now = now_ms()
-if not r then return { 'missing' } end
+if not r or (kind ~= '' and r.k ~= kind) then return { 'missing' } end
 if r.s == 'confirmed' then return reply_of('confirmed', rid, r, now) end
 if r.s == 'released' then return { 'closed' } end
 

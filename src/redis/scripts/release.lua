@@ -4,7 +4,8 @@
 -- recorded that epoch as given up (ARGV 4 = the epoch so decided): its commit may have landed unseen.
 -- ARGV: 1 base, 2 rid, 3 retention ms, 4 epoch decided 'abort' in Postgres ("" = none), 5 "1": the undoing of a
 --       reserve request that got no answer, whose id is rid ("" = a release), 6 that request's Idempotency-Key
---       ("" = none)
+--       ("" = none), 7 the kind a release acts on ("r" a reservation, "l" a lease; "" or none: either): a record of the
+--       other kind is "missing" to it
 -- An undo: the request's own record, if its reserve has not run (yet), becomes a released one, which reserve
 -- refuses: a reserve that arrives after its undo holds nothing. The reservation it made or was answered with (the
 -- one its key names; without a key, its own) is released, and the key forgotten, once no request that may have
@@ -14,7 +15,7 @@
 -- Returns: {"released", ...reservation} | {"confirmed", ...reservation} | {"busy"} (a confirm is committing)
 --          | {"undecided", epoch} | {"missing"} | {"answered"} (an undo: another request may have the reservation)
 local base, rid, retention, decided = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
-local undo, idem_key = ARGV[5] == '1', ARGV[6]
+local undo, idem_key, kind = ARGV[5] == '1', ARGV[6], ARGV[7] or ''
 local rkey = base .. 'r:' .. rid
 if undo then
   if redis.call('EXISTS', rkey) == 0 then
@@ -46,7 +47,7 @@ if undo then
 end
 local r = read_reservation(rkey)
 local now = now_ms()
-if not r then return { 'missing' } end
+if not r or (kind ~= '' and r.k ~= kind) then return { 'missing' } end
 if r.s == 'confirmed' then return reply_of('confirmed', rid, r, now) end
 if r.s == 'confirming' then return { 'busy' } end
 -- Held again after a commit epoch: Postgres must end it first (the caller settles it and sends `decided`), unless
