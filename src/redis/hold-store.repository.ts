@@ -252,6 +252,14 @@ export function indexWrites(item: CachedItem): number {
 export const WAIT_PLACE_MS = 1_000;
 
 /**
+ * A waiter whose filter has several conditions (no line) pauses up to this long between tries while wake-ups are live
+ * (ReservationsService), and marks the pool as waited in (`<base>ww`, which the freeing scripts publish for) for
+ * WAIT_LINELESS_MARK_MS: 1.5 times that, as a pause is drawn up to it, and some to spare.
+ */
+export const WAIT_LINELESS_PAUSE_MS = 2_000;
+const WAIT_LINELESS_MARK_MS = WAIT_LINELESS_PAUSE_MS * 1.5 + 500;
+
+/**
  * The waiting line a reserve that waits takes its turn in (reserve.lua, `line`), or '' for none: one line for no
  * filter, one for each value prefix alone and each attribute pair alone, named by a hash of the filter. Task pulls
  * (kind 'l') never wait; filters with several conditions have no line (Redis cannot count their free items without a
@@ -433,6 +441,7 @@ export class HoldStore implements OnApplicationShutdown {
   async reserve(pool: string, req: ReserveRequest): Promise<ReserveResult> {
     const unchecked = this.connectChecked();
     if (unchecked) await this.whenChecked(unchecked);
+    const line = req.waits ? waitingLine(req) : '';
     let reply: string[];
     try {
       reply = await this.run<string[]>(
@@ -452,8 +461,9 @@ export class HoldStore implements OnApplicationShutdown {
         req.valuePrefix ?? '',
         req.groupAffinity ? '1' : '0',
         this.config.HOLD_GRACE_MS,
-        req.waits ? waitingLine(req) : '',
-        WAIT_PLACE_MS,
+        line,
+        // (Only the pool's waited-in mark lasts as long as `place` for a waiter with no line: it has no place.)
+        req.waits && line === '' ? WAIT_LINELESS_MARK_MS : WAIT_PLACE_MS,
         req.waits && this.config.WAIT_WAKE_UPS === 'true' ? '1' : '',
         req.forgotten ?? '',
       );

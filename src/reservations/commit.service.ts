@@ -241,13 +241,14 @@ export class CommitService {
    * The reservation's commit as Postgres recorded it, or null. Its allocated items are rebuilt field by field:
    * jsonb keeps an object's keys in an order of its own, and an answer from this commit (a repeated confirm, the
    * record finish writes back to Redis) must have the same bytes as the first. `kind`: only a reservation's ('r') or a
-   * lease's ('l') commit; null for one of the other kind.
+   * lease's ('l') commit; null for one that records the other kind (one recorded before commits kept their kind passes
+   * as either: a one-item reservation's could not be told from a lease's).
    */
   async landedCommit(reservationId: string, kind?: 'r' | 'l'): Promise<CommitOutcome | null> {
     const row = await this.commits.find(reservationId);
     if (!row) return null;
     const outcome = row.body as unknown as CommitOutcome;
-    if (kind !== undefined && (isLeaseCommit(outcome) ? 'l' : 'r') !== kind) return null;
+    if (kind !== undefined && outcome.kind !== undefined && outcome.kind !== kind) return null;
     return { ...outcome, allocated: outcome.allocated.map(({ resourceId, value, version }) => ({ resourceId, value, version })) };
   }
 

@@ -7,7 +7,14 @@ import { bodyHash } from '../common/stable-json.js';
 import { PoolEntity } from '../database/entities.js';
 import { MetricsService } from '../metrics/metrics.service.js';
 import { PoolCatalog } from '../pools/pool-catalog.service.js';
-import { HoldStore, ReserveRequest, ReserveResult, StoredReservation, waitingLine } from '../redis/hold-store.repository.js';
+import {
+  HoldStore,
+  ReserveRequest,
+  ReserveResult,
+  StoredReservation,
+  WAIT_LINELESS_PAUSE_MS,
+  waitingLine,
+} from '../redis/hold-store.repository.js';
 import { FreedItems, WakeUps } from '../redis/wake-ups.js';
 import { makeReservationId, poolOfReservationId } from '../redis/keys.js';
 import { CommitService, isLeaseCommit, notFound } from './commit.service.js';
@@ -48,12 +55,12 @@ export function idempotencyKeyFault(key: string | string[] | undefined): FieldEr
  * A waiter whose filter has several conditions (no line) backs off to WAIT_LINELESS_PAUSE_MS while wake-ups are live:
  * each try of it counts the free items that match every condition, a pass over the smallest of their sets in Redis
  * (28-45 ms with sets of 100,000), and 50 such waiters of a pool of 200,000 items, trying every 250-375 ms, held
- * Redis at 100 % for every client (a security review). Woken when matching items come free, it waits as long as
- * before for them; only a lost wake-up (a free on an instance whose message it missed) is found later.
+ * Redis at 100 % for every client (a security review). Its tries mark the pool as waited in for as long as such a
+ * pause (HoldStore, WAIT_LINELESS_PAUSE_MS), so that a free is published, and it is woken when matching items come
+ * free; only a lost wake-up, or a free that wakes WAKE_MAX_WAITERS waiters before it, is found later (within 3 s).
  */
 export const WAIT_FIRST_PAUSE_MS = 25;
 export const WAIT_MAX_PAUSE_MS = 250;
-export const WAIT_LINELESS_PAUSE_MS = 2_000;
 export const WAIT_HEAD_PAUSE_MS = 50;
 export const WAIT_MAX_HEADS = 64;
 export const WAKE_MAX_WAITERS = 64;

@@ -236,6 +236,23 @@ describe('task calls once a closed record has left Redis', () => {
     expect((await a.post(`/v1/tasks/${leaseId}/complete`)).status).toBe(200);
   }, 30_000);
 
+  it('a one-item reservation confirmed by a version that did not record the kind of its commit is still a reservation once its record left Redis', async () => {
+    const a = await world.start();
+    expect((await a.post('/v1/pools', { name: 'older', kind: 'number' })).status).toBe(201);
+    expect((await a.post('/v1/pools/older/resources', { items: [{ value: '13800000001' }] })).status).toBe(201);
+    const r = await a.post('/v1/pools/older/reservations', { owner: 'u1' });
+    const resourceIds = [r.body.items[0].resourceId];
+    const confirmed = await a.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds });
+    expect(confirmed.status).toBe(200);
+    // As that version wrote it (no kind: one item, as a lease has), and past the retention.
+    await world.query(`UPDATE t_commit SET body = body - 'kind' WHERE reservation_id = $1`, [r.body.id]);
+    await sleep(1600);
+    expect((await a.get(`/v1/reservations/${r.body.id}`)).body.state).toBe('confirmed');
+    expect(await a.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds })).toEqual({ ...confirmed, headers: expect.anything() });
+    expect((await a.del(`/v1/reservations/${r.body.id}`)).body.error.code).toBe('RESERVATION_CLOSED');
+    expect((await a.post(`/v1/reservations/${r.body.id}/extend`, { ttlMs: 5000 })).body.error.code).toBe('RESERVATION_CLOSED');
+  }, 30_000);
+
   it('extend of a confirmed reservation and heartbeat of a completed lease answer 409 RESERVATION_CLOSED before and after', async () => {
     const a = await world.start();
     const b = await world.start();
