@@ -33,7 +33,8 @@ export function idempotencyKeyFault(key: string | string[] | undefined): FieldEr
 /**
  * A reserve with `waitMs` tries again after WAIT_FIRST_PAUSE_MS, the pause doubling up to WAIT_MAX_PAUSE_MS, each
  * wait drawn at random between the pause and 1.5 times it (so that waiters spread out): an item freed anywhere is
- * found within 1.5 × WAIT_MAX_PAUSE_MS, and a waiter costs Redis at most one reserve script per pause. Waiters take
+ * found within 1.5 × WAIT_MAX_PAUSE_MS (by a waiter with no line, while wake-ups are live, within 1.5 ×
+ * WAIT_LINELESS_PAUSE_MS: see below), and a waiter costs Redis at most one reserve script per pause. Waiters take
  * their turn: the items a filter's waiters could use go to the one that began to wait first (reserve.lua, `line`).
  *
  * Waiters are woken when items come free in their pool (WakeUps): for each filter, the waiters on this instance with
