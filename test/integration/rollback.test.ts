@@ -85,6 +85,21 @@ describe('Redis restored from an older snapshot', () => {
     return instance;
   }
 
+  /**
+   * An instance with a pool of `values`, on a rebuilt Redis whose checkpoint it has read, whose sweeper leaves the
+   * checkpoint alone: only the check of a new connection can find Redis behind.
+   */
+  async function gatedInstance(pool: string, values: string[]): Promise<{ api: TestInstance; rebuilder: RebuildService }> {
+    const api = await world.start({ RECONCILE_INTERVAL_MS: '0' });
+    onTestFinished(() => api.close());
+    await seedPool(api, pool, values);
+    quietSweepers(api);
+    const rebuilder = api.app.get(RebuildService);
+    await untilRebuilt(api);
+    await rebuilder.checkpoint();
+    return { api, rebuilder };
+  }
+
   it("invariants 3 and 5: the snapshot is found behind, dropped and rebuilt; no allocated item is handed out, and a confirmed reservation's Idempotency-Key still answers with it", async () => {
     const api = await world.start({ RECONCILE_INTERVAL_MS: '0' });
     onTestFinished(() => api.close());
@@ -149,14 +164,8 @@ describe('Redis restored from an older snapshot', () => {
   });
 
   it('the first reserves on a new connection to a Redis gone back in time are answered 503 until it is rebuilt: none takes an allocated item or makes a second reservation for a lost key', async () => {
-    const api = await world.start({ RECONCILE_INTERVAL_MS: '0' });
-    onTestFinished(() => api.close());
-    await seedPool(api, 'gate', numbers(3, '1370000'));
     // Only the check on a new connection may find it: the sweeper's is off.
-    quietSweepers(api);
-    const rebuilder = api.app.get(RebuildService);
-    await untilRebuilt(api);
-    await rebuilder.checkpoint();
+    const { api, rebuilder } = await gatedInstance('gate', numbers(3, '1370000'));
     await withRedis((client) => client.save());
     const body = { owner: 'buyer', count: 1 };
     const made = await api.post('/v1/pools/gate/reservations', body, { 'Idempotency-Key': 'order-3' });
@@ -185,13 +194,7 @@ describe('Redis restored from an older snapshot', () => {
   });
 
   it('a read, extend, release or confirm on a new connection to a Redis gone back in time waits for the check too: none answers from, or acts on, the state the snapshot had', async () => {
-    const api = await world.start({ RECONCILE_INTERVAL_MS: '0' });
-    onTestFinished(() => api.close());
-    await seedPool(api, 'stale', numbers(3, '1380000'));
-    quietSweepers(api);
-    const rebuilder = api.app.get(RebuildService);
-    await untilRebuilt(api);
-    await rebuilder.checkpoint();
+    const { api, rebuilder } = await gatedInstance('stale', numbers(3, '1380000'));
     const made = await api.post('/v1/pools/stale/reservations', { owner: 'buyer', count: 2 });
     expect(made.status).toBe(201);
     const dropped = await api.post('/v1/pools/stale/reservations', { owner: 'changed-mind', count: 1 });
