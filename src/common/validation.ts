@@ -117,17 +117,18 @@ export function shapeFault(value: unknown, depthLimit: number, nodeLimit: number
  */
 const requestParts = new WeakMap<object, { refused?: DomainError }>();
 
-/** A body that is not a JSON object or array (a number, a string, `true`), in an object that can be linked. */
+/** A body that is not a JSON object or array (`null`, a number, a string, `true`), in an object that can be linked. */
 export class NotAnObject {
   constructor(readonly value: unknown) {}
 }
 
 /**
- * What a request's pipes see as its body, linkable to its path parameters: `{}` for none or `null` (as the pipes take
- * them), a NotAnObject for a number, a string or a boolean; the body itself otherwise.
+ * What a request's pipes see as its body, linkable to its path parameters: `{}` for none (as the pipes take it), a
+ * NotAnObject for `null`, a number, a string or a boolean; the body itself otherwise.
  */
 export function linkableBody(body: unknown): unknown {
-  if (body === undefined || body === null) return {};
+  if (body === undefined) return {};
+  if (body === null) return new NotAnObject(null);
   return typeof body === 'object' ? body : new NotAnObject(body);
 }
 
@@ -185,8 +186,8 @@ const UNVALIDATED = new Set<unknown>([String, Number, Boolean, Array, Object]);
 export class DtoValidationPipe implements PipeTransform {
   transform(value: unknown, { metatype, type }: ArgumentMetadata): unknown {
     if (type === 'custom' || !metatype || UNVALIDATED.has(metatype)) return value;
-    const plain = value ?? {};
-    if (typeof plain !== 'object' || Array.isArray(plain) || plain instanceof NotAnObject) {
+    const plain = value === undefined ? {} : value;
+    if (plain === null || typeof plain !== 'object' || Array.isArray(plain) || plain instanceof NotAnObject) {
       throw refuse(value, [{ field: type, reason: `the ${type} must be a JSON object` }], type);
     }
     const shape = shapeFault(plain, MAX_BODY_DEPTH, MAX_BODY_NODES);
@@ -231,14 +232,14 @@ function passed<T>(value: unknown, instance: T): T {
 }
 
 /**
- * The body of a route that takes none: no body, `null` or `{}` pass; a field is refused like any unknown
- * field, and so is a body that is not an object. See `NoBody` for the route's OpenAPI entry.
+ * The body of a route that takes none: no body or `{}` pass; a field is refused like any unknown field, and so is a
+ * body that is not an object (`null` included). See `NO_BODY` for the route's OpenAPI entry.
  */
 @Injectable()
 export class NoBodyPipe implements PipeTransform {
   transform(value: unknown): undefined {
-    if (value === undefined || value === null) return undefined;
-    if (typeof value !== 'object' || Array.isArray(value) || value instanceof NotAnObject) {
+    if (value === undefined) return undefined;
+    if (value === null || typeof value !== 'object' || Array.isArray(value) || value instanceof NotAnObject) {
       throw refuse(value, [{ field: 'body', reason: 'this route takes no body (or {})' }], 'body');
     }
     if (shapeFault(value, MAX_BODY_DEPTH, MAX_BODY_NODES) === 'large') {

@@ -225,6 +225,10 @@ describe('reservations', () => {
     const withBody = await api.request('DELETE', `/v1/reservations/${r.body.id}`, { force: true });
     expect(withBody.status).toBe(400);
     expect(withBody.body.error.details.fields).toEqual([{ field: 'force', reason: 'property force should not exist' }]);
+    // Nor a JSON null: it is not the empty object the route accepts.
+    const withNull = await api.request('DELETE', `/v1/reservations/${r.body.id}`, null);
+    expect(withNull.status).toBe(400);
+    expect(withNull.body.error.details.fields).toEqual([{ field: 'body', reason: 'this route takes no body (or {})' }]);
     expect(await api.stats('release')).toEqual({ total: 2, free: 0, held: 2, allocated: 0 });
     const released = await api.del(`/v1/reservations/${r.body.id}`);
     expect(released.status).toBe(200);

@@ -147,7 +147,7 @@ describe('review tasks', () => {
     const lease = await next(a, 'no-body', 'r-1');
     expect(lease.status).toBe(200);
     for (const path of ['complete', 'abandon']) {
-      for (const body of [{ leaseMs: 1000 }, [1], '"x"']) {
+      for (const body of [{ leaseMs: 1000 }, [1], '"x"', 'null']) {
         const answer = await a.post(`/v1/tasks/${lease.body.leaseId}/${path}`, body);
         expect(answer.status, `${path} ${JSON.stringify(body)}`).toBe(400);
         expect(answer.body.error.code).toBe('VALIDATION_FAILED');
@@ -157,5 +157,19 @@ describe('review tasks', () => {
     // No body, or an empty object, as before.
     expect((await a.request('POST', `/v1/tasks/${lease.body.leaseId}/complete`)).status).toBe(200);
     expect((await a.post(`/v1/tasks/${lease.body.leaseId}/complete`, {})).status).toBe(200);
+  });
+
+  it("a heartbeat's body is optional, but a JSON null is refused and does not extend the lease", async () => {
+    await taskPool('null-beat', [{ value: 'task-1' }]);
+    const lease = await next(a, 'null-beat', 'r-1', 1000);
+    expect(lease.status).toBe(200);
+    const nullBeat = await a.request('POST', `/v1/tasks/${lease.body.leaseId}/heartbeat`, null);
+    expect(nullBeat.status).toBe(400);
+    expect(nullBeat.body.error.details.fields).toEqual([{ field: 'body', reason: 'the body must be a JSON object' }]);
+    // Had it extended the lease by the pool's holdTtlMs, this heartbeat past the first expiresAt would succeed.
+    await new Promise((resolve) => setTimeout(resolve, Date.parse(lease.body.expiresAt) - Date.now() + 200));
+    const late = await a.request('POST', `/v1/tasks/${lease.body.leaseId}/heartbeat`);
+    expect(late.status).toBe(409);
+    expect(late.body.error.code).toBe('HOLD_EXPIRED');
   });
 });
