@@ -10,7 +10,7 @@ import { AppModule } from './app.module.js';
 import { API_KEY_SCHEME, RouteRoles, authorize, parseApiKeys } from './common/auth.js';
 import { createValidationPipe, hasOwnKey, linkableBody, linkRequestParts } from './common/validation.js';
 import { addValidationLimits } from './common/openapi-limits.js';
-import { addBodyLimitResponses } from './common/api-errors.decorator.js';
+import { addTransportResponses } from './common/api-errors.decorator.js';
 import { createPino, PinoLoggerService } from './common/logger.js';
 import { DomainError, ErrorCode, FieldError } from './common/errors.js';
 import { MAX_PARAM_LENGTH, clientErrorResponse, mapError } from './common/http-errors.js';
@@ -60,7 +60,7 @@ export function buildOpenApi(app: NestFastifyApplication) {
     .addBearerAuth({ type: 'http', scheme: 'bearer', bearerFormat: 'API key', description: 'An API key of API_KEYS' })
     .addApiKey({ type: 'apiKey', in: 'header', name: 'X-API-Key', description: 'An API key of API_KEYS' }, API_KEY_SCHEME)
     .build();
-  return addBodyLimitResponses(addValidationLimits(SwaggerModule.createDocument(app, config)));
+  return addTransportResponses(addValidationLimits(SwaggerModule.createDocument(app, config)));
 }
 
 /**

@@ -143,7 +143,7 @@ export class ErrorResponseDto {
 export function ApiErrors(...codes: ErrorCode[]): MethodDecorator & ClassDecorator {
   const byStatus = new Map<number, ErrorCode[]>();
   // Every route refuses a query string or a bad path with VALIDATION_FAILED, and may find a dependency down, or
-  // rate limit. (A body over the limit: see addBodyLimitResponses.)
+  // rate limit. (A body over the limit, and answers from outside the route: see addTransportResponses.)
   const all = new Set([...codes, ErrorCode.VALIDATION_FAILED, ErrorCode.DEPENDENCY_UNAVAILABLE, ErrorCode.RATE_LIMITED]);
   for (const code of all) {
     const status = HTTP_STATUS[code];
@@ -158,20 +158,30 @@ export function ApiErrors(...codes: ErrorCode[]): MethodDecorator & ClassDecorat
 }
 
 /**
- * Every route whose method carries a body (all but GET and HEAD, whose bodies Fastify ignores) answers a body
- * over BODY_LIMIT_BYTES with 413 PAYLOAD_TOO_LARGE, whether it takes a body or not: written into the document
- * for each such operation that does not list it yet.
+ * Answers any route may give before or outside its handler, written into the document for each operation that does not
+ * list them yet: Node's HTTP parser's 408 (a request, headers and body, that did not arrive within REQUEST_TIMEOUT_MS)
+ * and 431 (headers too large), both VALIDATION_FAILED naming `request`, and 500 INTERNAL_ERROR (a fault of the service
+ * itself, logged with the request id); and, on every route whose method carries a body (all but GET and HEAD, whose
+ * bodies Fastify ignores), 413 PAYLOAD_TOO_LARGE for a body over BODY_LIMIT_BYTES, whether it takes a body or not.
  */
-export function addBodyLimitResponses(document: OpenAPIObject): OpenAPIObject {
-  const status = String(HTTP_STATUS[ErrorCode.PAYLOAD_TOO_LARGE]);
+export function addTransportResponses(document: OpenAPIObject): OpenAPIObject {
+  const answers: [string, string, boolean][] = [
+    [String(HTTP_STATUS[ErrorCode.PAYLOAD_TOO_LARGE]), `${ErrorCode.PAYLOAD_TOO_LARGE}: the body is over BODY_LIMIT_BYTES`, true],
+    ['408', `${ErrorCode.VALIDATION_FAILED} (field \`request\`): the request did not arrive whole within REQUEST_TIMEOUT_MS`, false],
+    ['431', `${ErrorCode.VALIDATION_FAILED} (field \`request\`): the request headers are too large`, false],
+    [String(HTTP_STATUS[ErrorCode.INTERNAL_ERROR]), `${ErrorCode.INTERNAL_ERROR}: a fault of the service itself, logged with the request id`, false],
+  ];
   for (const methods of Object.values(document.paths)) {
-    for (const method of ['post', 'put', 'patch', 'delete'] as const) {
+    for (const method of ['get', 'post', 'put', 'patch', 'delete'] as const) {
       const operation = methods[method];
-      if (!operation || operation.responses[status]) continue;
-      operation.responses[status] = {
-        description: ErrorCode.PAYLOAD_TOO_LARGE,
-        content: { 'application/json': { schema: { $ref: getSchemaPath(ErrorResponseDto) } } },
-      };
+      if (!operation) continue;
+      for (const [status, description, withBody] of answers) {
+        if (operation.responses[status] || (withBody && method === 'get')) continue;
+        operation.responses[status] = {
+          description,
+          content: { 'application/json': { schema: { $ref: getSchemaPath(ErrorResponseDto) } } },
+        };
+      }
     }
   }
   return document;

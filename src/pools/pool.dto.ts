@@ -205,7 +205,12 @@ export class ResourceDto {
   @ApiProperty({ description: 'Group of the item', nullable: true, type: String })
   groupKey: string | null;
 
-  @ApiProperty({ description: 'Last state change (ISO-8601 UTC)', format: 'date-time' })
+  @ApiProperty({
+    description:
+      "When the item's row last changed in Postgres (ISO-8601 UTC): its import, allocation or release; a hold (kept in " +
+      'Redis) does not change it',
+    format: 'date-time',
+  })
   updatedAt: string;
 }
 

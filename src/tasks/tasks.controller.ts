@@ -20,7 +20,10 @@ export class TasksController {
 
   @Post('v1/pools/:pool/tasks/next')
   @Roles('reviewer')
-  @ApiOperation({ summary: 'Lease the next free task (a task from a group the reviewer already leases in comes first)' })
+  @ApiOperation({
+    summary: 'Lease the next free task (a task from a group the reviewer already leases in comes first)',
+    description: 'Only on a pool of kind `task`: on a pool of kind `number` the answer is 400 VALIDATION_FAILED naming `pool`.',
+  })
   @ApiOkResponse({ type: TaskLeaseDto, description: 'The task leased' })
   @ApiNoContentResponse({ description: 'No task is free' })
   @ApiErrors(ErrorCode.VALIDATION_FAILED, ErrorCode.POOL_NOT_FOUND, ErrorCode.OWNER_QUOTA_EXCEEDED)

@@ -86,9 +86,11 @@ describe('operations: health, metrics, OpenAPI, request ids', () => {
       '/v1/tasks/{leaseId}/abandon',
       '/health/live',
       '/health/ready',
+      '/metrics',
     ]) {
       expect(doc.paths, path).toHaveProperty([path]);
     }
+    expect(doc.paths['/metrics'].get.responses['200'].content).toHaveProperty(['text/plain']);
     // Every property of every schema, named or inline in an operation (a body, an answer), at any depth.
     const undescribed: string[] = [];
     const walk = (schema: any, where: string): void => {
@@ -183,13 +185,15 @@ describe('operations: health, metrics, OpenAPI, request ids', () => {
     // The error body's details say what `fields` and `receivedAt` hold.
     expect(ErrorDetailDto.properties.details.properties.fields.items.properties).toHaveProperty('reason');
     expect(ErrorDetailDto.properties.details.properties.receivedAt.format).toBe('date-time');
-    // Every answer is described; every route lists 400 (a query string is refused everywhere), and every route
-    // whose method carries a body lists 413.
+    // Every answer is described; every route of the API lists 400 (a query string is refused everywhere), every route
+    // lists what Node's HTTP parser answers outside it (408, 431) and 500, and every route whose method carries a body
+    // lists 413.
     for (const [path, methods] of Object.entries<any>(doc.paths)) {
       for (const [method, operation] of Object.entries<any>(methods)) {
         for (const [status, answer] of Object.entries<any>(operation.responses))
           expect(answer.description, `${method} ${path} ${status}`).toBeTruthy();
         if (path.startsWith('/v1/')) expect(operation.responses, `${method} ${path}`).toHaveProperty('400');
+        for (const status of ['408', '431', '500']) expect(operation.responses, `${method} ${path}`).toHaveProperty(status);
         if (method !== 'get') expect(operation.responses, `${method} ${path}`).toHaveProperty('413');
       }
     }
