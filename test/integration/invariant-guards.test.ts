@@ -125,4 +125,17 @@ describe('invariant mechanisms, each guarded', () => {
     }
     expect((await api.get(`/v1/reservations/${r.body.id}`)).body.expiresAt).toBe(r.body.expiresAt);
   });
+
+  it('invariant 6: heartbeat refuses a leaseMs below 1000 ms, or not an integer, with 400 and changes nothing', async () => {
+    await seedPool(api, 'p22', ['task-1'], { kind: 'task' });
+    const lease = await api.post('/v1/pools/p22/tasks/next', { reviewer: 'r-1', leaseMs: 60_000 });
+    const before = (await api.app.get(HoldStore).read('p22', lease.body.leaseId))?.expiresMs;
+    expect(before).toBe(Date.parse(lease.body.expiresAt));
+    for (const body of [{ leaseMs: 999 }, { leaseMs: 0 }, { leaseMs: -5000 }, { leaseMs: 1.5 }, { leaseMs: '5000' }, { leaseMs: 5000, x: 1 }]) {
+      const answer = await api.post(`/v1/tasks/${lease.body.leaseId}/heartbeat`, body);
+      expect(answer.status, JSON.stringify(body)).toBe(400);
+      expect(answer.body.error.code).toBe('VALIDATION_FAILED');
+    }
+    expect((await api.app.get(HoldStore).read('p22', lease.body.leaseId))?.expiresMs).toBe(before);
+  });
 });

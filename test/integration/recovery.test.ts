@@ -359,11 +359,28 @@ describe('recovery: Redis wiped or down, Postgres down, an instance gone', () =>
     }
   });
 
-  it('invariant 6: with Redis down, reserve and confirm answer 503 DEPENDENCY_UNAVAILABLE and change nothing', async () => {
+  it('invariant 6: with Redis down, reserve, confirm and the task calls answer 503 DEPENDENCY_UNAVAILABLE and change nothing', async () => {
     await seedPool(api, 'redis-down', numbers(3));
     const r = await api.post('/v1/pools/redis-down/reservations', { owner: 'payer', count: 2 });
+    await seedPool(api, 'redis-down-tasks', ['task-1', 'task-2'], { kind: 'task' });
+    const lease = await api.post('/v1/pools/redis-down-tasks/tasks/next', { reviewer: 'r-1' });
+    expect(lease.status).toBe(200);
     await redis.stop();
     try {
+      for (const [path, body] of [
+        ['/v1/pools/redis-down-tasks/tasks/next', { reviewer: 'r-2' }],
+        [`/v1/tasks/${lease.body.leaseId}/heartbeat`, { leaseMs: 60_000 }],
+        [`/v1/tasks/${lease.body.leaseId}/complete`, {}],
+        [`/v1/tasks/${lease.body.leaseId}/abandon`, {}],
+      ] as const) {
+        const answer = await api.post(path, body);
+        expect([answer.status, answer.body.error?.code], path).toEqual([503, 'DEPENDENCY_UNAVAILABLE']);
+      }
+      expect(
+        await world.query(
+          `SELECT count(*)::int AS n FROM t_resource r JOIN t_pool p ON p.id = r.pool_id WHERE p.name = 'redis-down-tasks' AND r.state = 2`,
+        ),
+      ).toEqual([{ n: 0 }]);
       const reserve = await api.post('/v1/pools/redis-down/reservations', { owner: 'x', count: 1 });
       expect(reserve.status).toBe(503);
       expect(reserve.body.error.code).toBe('DEPENDENCY_UNAVAILABLE');
@@ -414,6 +431,27 @@ describe('recovery: Redis wiped or down, Postgres down, an instance gone', () =>
       await proxy.open();
       const retry = await viaProxy.post(`/v1/reservations/${r.body.id}/confirm`, body);
       expect(retry.status).toBe(200);
+    });
+  });
+
+  it('invariant 6: with Postgres unreachable, a task complete answers 503 and allocates nothing; the lease stays its reviewer\'s, and completes once Postgres is back', async () => {
+    await behindPostgresProxy({ DB_TIMEOUT_MS: '1000' }, undefined, async ({ proxy, viaProxy }) => {
+      await seedPool(viaProxy, 'pg-down-tasks', ['task-1'], { kind: 'task' });
+      const lease = await viaProxy.post('/v1/pools/pg-down-tasks/tasks/next', { reviewer: 'r-1', leaseMs: 60_000 });
+      expect(lease.status).toBe(200);
+      await proxy.cut();
+      const complete = await viaProxy.post(`/v1/tasks/${lease.body.leaseId}/complete`, {});
+      expect([complete.status, complete.body.error?.code]).toEqual([503, 'DEPENDENCY_UNAVAILABLE']);
+      expect(await world.query(`SELECT state FROM t_resource WHERE id = $1`, [lease.body.resourceId])).toEqual([{ state: 1 }]);
+      // Nothing changed: the task is still leased to r-1 (another reviewer gets none, r-1's heartbeat succeeds).
+      expect((await viaProxy.post('/v1/pools/pg-down-tasks/tasks/next', { reviewer: 'r-2' })).status).toBe(204);
+      expect((await viaProxy.post(`/v1/tasks/${lease.body.leaseId}/heartbeat`, { leaseMs: 60_000 })).status).toBe(200);
+      await proxy.open();
+      const retry = await viaProxy.post(`/v1/tasks/${lease.body.leaseId}/complete`, {});
+      expect([retry.status, retry.body.state]).toEqual([200, 'completed']);
+      expect(await world.query(`SELECT state, owner FROM t_resource WHERE id = $1`, [lease.body.resourceId])).toEqual([
+        { state: 2, owner: 'r-1' },
+      ]);
     });
   });
 
