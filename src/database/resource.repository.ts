@@ -49,6 +49,16 @@ export type AllocationResult = 'committed' | 'conflict' | 'duplicate' | 'decided
 
 const ROW = `id::text AS id, value, state, version, owner, group_key AS "groupKey", attributes, update_time AS "updatedAt"`;
 
+/**
+ * SQL, of a row of t_resource that is allocated: its allocation is a task lease's completion (the commit of its last
+ * allocation records the kind "l"). A commit recorded before commits kept their kind is taken for a reservation's.
+ */
+const ALLOCATED_BY_LEASE = `EXISTS (
+  SELECT 1 FROM t_commit c
+   WHERE c.body->>'kind' = 'l'
+     AND c.reservation_id = (SELECT h.reservation_id FROM t_allocation_history h
+                              WHERE h.resource_id = t_resource.id AND h.action = 'allocate' ORDER BY h.id DESC LIMIT 1))`;
+
 @Injectable()
 export class ResourceRepository {
   private readonly commits: Batcher<Allocation, AllocationResult>;
@@ -206,23 +216,36 @@ export class ResourceRepository {
     return rows[0]?.decision ?? null;
   }
 
-  /** allocated -> free for this owner, version incremented, history row written. Null if not allocated to that owner. */
-  async release(poolId: string, id: string, owner: string): Promise<ResourceRow | null> {
+  /**
+   * allocated -> free for this owner, version incremented, history row written. Null if not allocated to that owner.
+   * `leases`: false when an item a task lease's completion allocated is not to be released (it is then null too): the
+   * caller acts for an owner, and owners and reviewers share one space of names.
+   */
+  async release(poolId: string, id: string, owner: string, leases = true): Promise<ResourceRow | null> {
     const rows: ResourceRow[] = await pg(() =>
       this.db.query(
         `WITH upd AS (
            UPDATE t_resource SET state = 1, version = version + 1, owner = NULL, update_time = now()
             WHERE pool_id = $1 AND id = $2 AND state = 2 AND owner = $3
+              AND ($4 OR NOT ${ALLOCATED_BY_LEASE})
            RETURNING *
          ), hist AS (
            INSERT INTO t_allocation_history (resource_id, pool_id, action, owner, version)
            SELECT id, pool_id, 'release', $3, version FROM upd
          )
          SELECT ${ROW} FROM upd`,
-        [poolId, id, owner],
+        [poolId, id, owner, leases],
       ),
     );
     return rows[0] ?? null;
+  }
+
+  /** Whether the allocated item `id` of the pool was allocated by a task lease's completion. */
+  async allocatedByLease(poolId: string, id: string): Promise<boolean> {
+    const rows: { lease: boolean }[] = await pg(() =>
+      this.db.query(`SELECT ${ALLOCATED_BY_LEASE} AS lease FROM t_resource WHERE pool_id = $1 AND id = $2 AND state = 2`, [poolId, id]),
+    );
+    return rows[0]?.lease === true;
   }
 
   /**

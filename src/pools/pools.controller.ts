@@ -69,7 +69,12 @@ export class PoolsController {
   @Post(':pool/resources/:id/release')
   @Roles('client', 'admin')
   @HttpCode(200)
-  @ApiOperation({ summary: 'Release an allocated item back to the pool (its version is incremented)' })
+  @ApiOperation({
+    summary: 'Release an allocated item back to the pool (its version is incremented)',
+    description:
+      'A client key bound to an owner cannot release an item that a task lease of a reviewer of the same name completed ' +
+      '(409 NOT_ALLOCATED): owners and reviewers share one space of names.',
+  })
   @ApiOkResponse({ type: ResourceDto, description: 'The item, free again, its version incremented' })
   @ApiErrors(ErrorCode.VALIDATION_FAILED, ErrorCode.POOL_NOT_FOUND, ErrorCode.RESOURCE_NOT_FOUND, ErrorCode.NOT_ALLOCATED)
   release(
@@ -78,6 +83,6 @@ export class PoolsController {
     @ActingFor() actingFor: string | undefined,
   ): Promise<ResourceDto> {
     mustActFor(actingFor, dto.owner);
-    return this.pools.releaseResource(params.pool, params.id, dto.owner);
+    return this.pools.releaseResource(params.pool, params.id, dto.owner, actingFor === undefined);
   }
 }

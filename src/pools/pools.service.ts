@@ -155,17 +155,35 @@ export class PoolsService {
     return toResourceDto(pool.name, row, state);
   }
 
-  async releaseResource(name: string, id: string, owner: string): Promise<ResourceDto> {
+  /**
+   * `leases`: false for a caller that acts for one owner (a key bound to it): an item a task lease's completion allocated
+   * to a reviewer of the same name is not its to release (owners and reviewers share one space of names).
+   */
+  async releaseResource(name: string, id: string, owner: string, leases = true): Promise<ResourceDto> {
     const pool = await this.catalog.get(name);
+    // Only a task pool has leases.
+    leases ||= pool.kind !== 'task';
     const read = await this.beforeRead();
     const row = await this.whenLost(
       pool.name,
       () => [`id:${id}`],
-      () => this.resources.release(pool.id, id, owner),
+      () => this.resources.release(pool.id, id, owner, leases),
     );
     if (!row) {
       const existing = await this.resources.findById(pool.id, id);
       if (!existing) throw resourceNotFound(pool.name, id);
+      if (
+        !leases &&
+        existing.state === RESOURCE_ALLOCATED &&
+        existing.owner === owner &&
+        (await this.resources.allocatedByLease(pool.id, id))
+      ) {
+        throw new DomainError(
+          ErrorCode.NOT_ALLOCATED,
+          `resource ${id} is allocated to the reviewer "${owner}" by a completed task, not to an owner: a key bound to an owner cannot release it`,
+          { resourceId: id, owner },
+        );
+      }
       // Free already: perhaps released by this caller before, without reaching Redis (its Redis step failed,
       // or its answer was lost and this is the retry). Indexed again; the scripts leave a held item alone.
       if (existing.state === RESOURCE_FREE && isStringRecord(existing.attributes)) {

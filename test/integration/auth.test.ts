@@ -117,7 +117,7 @@ describe('API keys', () => {
 
   it('a key bound to a reviewer pulls, heartbeats, completes and abandons for that reviewer only', async () => {
     expect((await api.post('/v1/pools', { name: 'bound-reviews', kind: 'task' }, as(ADMIN))).status).toBe(201);
-    const items = [{ value: 'task-a' }, { value: 'task-b' }];
+    const items = [{ value: 'task-a' }, { value: 'task-b' }, { value: 'task-c' }];
     expect((await api.post('/v1/pools/bound-reviews/resources', { items }, as(ADMIN))).status).toBe(201);
     expect((await api.post('/v1/pools/bound-reviews/tasks/next', { reviewer: 'r-2' }, as(R_1))).status).toBe(403);
     const theirs = await api.post('/v1/pools/bound-reviews/tasks/next', { reviewer: 'r-2' }, as(REVIEWER));
@@ -133,6 +133,22 @@ describe('API keys', () => {
     const asClient = await api.request('DELETE', `/v1/reservations/${own.body.leaseId}`, undefined, as(CLIENT_R_1));
     expect([asClient.status, asClient.body.error.code]).toEqual([404, 'RESERVATION_NOT_FOUND']);
     expect((await api.post(`/v1/tasks/${own.body.leaseId}/complete`, undefined, as(R_1))).status).toBe(200);
+    // Nor can it release the item r-1's completion allocated (a buyer named like a reviewer is not that reviewer).
+    const release = `/v1/pools/bound-reviews/resources/${own.body.resourceId}/release`;
+    const refused = await api.post(release, { owner: 'r-1' }, as(CLIENT_R_1));
+    expect([refused.status, refused.body.error.code]).toEqual([409, 'NOT_ALLOCATED']);
+    expect(refused.body.error.message).toContain('by a completed task');
+    expect((await api.request('GET', `/v1/pools/bound-reviews/resources/${own.body.resourceId}`, undefined, as(ADMIN))).body).toMatchObject({
+      state: 'allocated',
+      owner: 'r-1',
+      version: 1,
+    });
+    // A reservation that key made on the task pool is its own to release once confirmed; an admin releases either.
+    const reserved = await api.post('/v1/pools/bound-reviews/reservations', { owner: 'r-1', count: 1 }, as(CLIENT_R_1));
+    const item = reserved.body.items[0].resourceId;
+    expect((await api.post(`/v1/reservations/${reserved.body.id}/confirm`, { resourceIds: [item] }, as(CLIENT_R_1))).status).toBe(200);
+    expect((await api.post(`/v1/pools/bound-reviews/resources/${item}/release`, { owner: 'r-1' }, as(CLIENT_R_1))).status).toBe(200);
+    expect((await api.post(release, { owner: 'r-1' }, as(ADMIN))).status).toBe(200);
   });
 
   it('the operations endpoints need no key; the OpenAPI document lists both key schemes on every /v1 call', async () => {
