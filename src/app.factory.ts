@@ -133,11 +133,19 @@ export async function createApp(config: AppConfig, options: { logger?: boolean }
   fastify.decorateRequest('receivedAtMs', 0);
   fastify.decorateRequest('actingFor', null);
   fastify.decorateRequest('queryFaults', null);
-  // Shutting down (SIGTERM): what arrives now, on a connection still open, is refused at once with the API's
-  // error body; Fastify adds `Connection: close`, so the client's next request goes to another instance.
+  // Shutting down (SIGTERM, closeGracefully): what arrives now, on a connection still open, is refused at once with the
+  // API's error body; Fastify adds `Connection: close`, so the client's next request goes to another instance. Every
+  // answer sent from now on says `Connection: close` too (onSend, below), the answers of requests in flight included: a
+  // client told to keep the connection would send its next request on it as the close cuts it, and see a reset.
   let closing = false;
+  startClosing.set(app, () => (closing = true));
   fastify.addHook('preClose', async () => {
     closing = true;
+  });
+  // A callback hook: no promise on the hot path.
+  fastify.addHook('onSend', (_req: FastifyRequest, reply: FastifyReply, payload: unknown, done: (err: null, payload: unknown) => void) => {
+    if (closing) void reply.header('connection', 'close');
+    done(null, payload);
   });
   // Per client address, before the key is checked: guesses at API keys count too.
   const limiter =
@@ -229,13 +237,28 @@ export async function createApp(config: AppConfig, options: { logger?: boolean }
   return app;
 }
 
+/** Per app: marks it closing (see createApp), before app.close() does. */
+const startClosing = new WeakMap<NestFastifyApplication, () => void>();
+
 /**
- * Closes the app gracefully: no new connections, the requests in flight answered, then Nest's shutdown hooks. A
- * keep-alive connection whose last request ends while the app closes (a reserve that was waiting, answered 503)
- * would hold the server open until its idle timeout: each is closed as soon as it is idle.
+ * How long a closing instance keeps its open connections before it closes those that are idle: a client whose
+ * request is on its way on one (sent just before its last answer, which said keep-alive, arrived) is answered `503`
+ * and `Connection: close` instead of meeting a reset, which would leave it not knowing whether the call took effect.
  */
-export async function closeGracefully(app: NestFastifyApplication): Promise<void> {
+export const SHUTDOWN_DRAIN_MS = 250;
+
+/**
+ * Closes the app gracefully: every answer from now on closes its connection (requests that arrive are refused with
+ * 503) and, for SHUTDOWN_DRAIN_MS while any connection is open, requests on their way still get that answer; then no
+ * new connections, the requests in flight answered, and Nest's shutdown hooks. A keep-alive connection whose last
+ * request ends while the app closes (a reserve that was waiting, answered 503) would hold the server open until its
+ * idle timeout: each is closed as soon as it is idle.
+ */
+export async function closeGracefully(app: NestFastifyApplication, drainMs = SHUTDOWN_DRAIN_MS): Promise<void> {
   const server = app.getHttpServer();
+  startClosing.get(app)?.();
+  const open = await new Promise<number>((resolve) => server.getConnections((err, n) => resolve(err ? 1 : n)));
+  if (open > 0 && drainMs > 0) await new Promise((resolve) => setTimeout(resolve, drainMs));
   const idle = setInterval(() => server.closeIdleConnections(), 50);
   idle.unref();
   try {

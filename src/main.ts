@@ -14,15 +14,20 @@ async function main(): Promise<void> {
     // The port taken, a HOST that does not resolve or is not this machine's: one line, not a stack.
     throw new StartupError(`cannot listen on ${config.HOST}:${config.PORT}: ${(err as Error).message}`);
   }
+  const log = new Logger('respool');
   // Graceful shutdown: stop accepting, let in-flight requests finish, stop the sweeper, close the pools.
   for (const signal of ['SIGTERM', 'SIGINT'] as const) {
     process.once(signal, () => {
+      log.log(`${signal}: shutting down (answering what is in flight, at most SHUTDOWN_TIMEOUT_MS ${config.SHUTDOWN_TIMEOUT_MS} ms)`);
       setTimeout(() => {
         console.error(`respool: shutdown took longer than ${config.SHUTDOWN_TIMEOUT_MS} ms; exiting`);
         process.exit(1);
       }, config.SHUTDOWN_TIMEOUT_MS).unref();
       closeGracefully(app).then(
-        () => process.exit(0),
+        () => {
+          log.log('stopped');
+          process.exit(0);
+        },
         (err: unknown) => {
           console.error('respool: error during shutdown', err);
           process.exit(1);
@@ -30,8 +35,11 @@ async function main(): Promise<void> {
       );
     });
   }
-  // Through the app's logger: a JSON line with its time, pid and host, like every other.
-  new Logger('respool').log(`listening on http://${config.HOST}:${config.PORT} (docs at /docs)`);
+  // Through the app's logger: a JSON line with its time, pid and host, like every other. The port listened on (PORT 0:
+  // one the system chose).
+  const address = app.getHttpServer().address();
+  const port = typeof address === 'object' && address !== null ? address.port : config.PORT;
+  log.log(`listening on http://${config.HOST}:${port} (docs at /docs)`);
 }
 
 main().catch((err: unknown) => {

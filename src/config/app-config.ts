@@ -203,10 +203,10 @@ export class AppConfig {
   @IsApiKeyList()
   API_KEYS = '';
 
-  /** How long graceful shutdown waits for in-flight requests. */
+  /** How long graceful shutdown waits for in-flight requests (0 would exit 1 at once, answering nothing). */
   @Transform(toInt)
   @IsInt()
-  @Min(0)
+  @Min(1000)
   @Max(600_000)
   SHUTDOWN_TIMEOUT_MS = 10_000;
 }

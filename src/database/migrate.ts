@@ -109,7 +109,9 @@ async function migrate(config: AppConfig): Promise<string[]> {
 // (Run as a script, not imported: compared as real paths, so that a symlink or a space in the path does not
 // make it a silent no-op.)
 if (process.argv[1] !== undefined && fileURLToPath(import.meta.url) === realpathOrSelf(process.argv[1])) {
-  runMigrations(loadConfig(process.env))
+  // A bad setting is one line (its message lists every bad variable), as at the service's start, not a stack.
+  new Promise<AppConfig>((resolve) => resolve(loadConfig(process.env)))
+    .then(runMigrations)
     .then((applied) => {
       console.log(applied.length ? `applied: ${applied.join(', ')}` : 'no pending migrations');
     })
