@@ -223,6 +223,9 @@ async function main(): Promise<number> {
     for (const r of unanswered) verdict.violations.push(`request in flight at SIGTERM got ${r.status} ${JSON.stringify(r.body)}`);
     if (flowMs > 5000) verdict.violations.push(`the pool took ${flowMs} ms to become reservable again`);
     if (sampler.samplesWithHolds < 5) verdict.violations.push(`hold sampler saw live holds only ${sampler.samplesWithHolds} times`);
+    if (verdict.counts.commitsRepeated === 0 || verdict.counts.commitsRefused === 0) {
+      verdict.violations.push('no confirm answered 200 twice, or none refused in all its attempts: the checks of their answers went untested');
+    }
     if (verdict.counts.keyedReplaysAcrossRedisLoss === 0) {
       verdict.violations.push('no keyed reserve was retried, and answered, across a loss of Redis data: the case went untested');
     }

@@ -187,33 +187,83 @@ export async function check(log: Exchange[], windows: FaultWindow[], databaseUrl
         .map((r) => `${(r.answer as { id: string }).id} on ${r.instance} at ${new Date(r.sentAt).toISOString().slice(11, 23)}`);
       diagnostics.push(`story of item ${id}:\n${story.join('\n')}\n  reserved by: ${reserves.join(', ')}`);
     }
+    // Single allocation: per item, allocate and release alternate, starting with an allocation. (The versions Postgres
+    // records are its own row's, incremented under the row's lock: their order is not checked, it cannot be wrong.)
     let previous: (typeof history.rows)[number] | undefined;
     for (const h of history.rows) {
       const first = !previous || previous.resource_id !== h.resource_id;
       if (first && h.action !== 'allocate') violations.push(`item ${h.resource_id}: history starts with ${h.action}`);
-      if (!first && previous) {
-        if (h.version <= previous.version) violations.push(`item ${h.resource_id}: version ${h.version} after ${previous.version}`);
-        if (h.action === previous.action) violations.push(`item ${h.resource_id}: ${h.action} twice in a row (allocated twice?)`);
+      if (!first && previous && h.action === previous.action) {
+        violations.push(`item ${h.resource_id}: ${h.action} twice in a row (allocated twice?)`);
       }
       previous = h;
     }
-    // Every allocation acknowledged to a client is in Postgres.
-    const recorded = new Set(history.rows.filter((h) => h.action === 'allocate').map((h) => `${h.reservation_id} ${h.resource_id}`));
+    // Every allocation acknowledged to a client is in Postgres, at the version its answer gives, which is one more than
+    // the version the reservation's hold was taken at (its reserve's answer): the version-checked update of invariant 2.
+    const recorded = new Map(
+      history.rows.filter((h) => h.action === 'allocate').map((h) => [`${h.reservation_id} ${h.resource_id}`, h.version]),
+    );
+    const heldAt = new Map<string, number>();
+    for (const e of log) {
+      if (e.op !== 'reserve' || e.status !== 201) continue;
+      for (const item of e.answer.items as { resourceId: string; version: number }[])
+        heldAt.set(`${e.answer.id} ${item.resourceId}`, item.version);
+    }
     for (const e of log) {
       if (e.status !== 200) continue;
       if (e.op === 'confirm') {
         const rid = e.path.split('/')[3];
-        for (const a of e.answer.allocated)
-          if (!recorded.has(`${rid} ${a.resourceId}`)) violations.push(`acknowledged but not in Postgres: ${rid} ${a.resourceId}`);
+        for (const a of e.answer.allocated as { resourceId: string; version: number }[]) {
+          const key = `${rid} ${a.resourceId}`;
+          const version = recorded.get(key);
+          if (version === undefined) violations.push(`acknowledged but not in Postgres: ${key}`);
+          else if (version !== a.version) violations.push(`acknowledged at version ${a.version}, recorded at ${version}: ${key}`);
+          const held = heldAt.get(key);
+          if (held !== undefined && a.version !== held + 1) {
+            violations.push(`allocated at version ${a.version} by a hold taken at version ${held}: ${key}`);
+          }
+        }
       }
       if (e.op === 'complete' && !recorded.has(`${e.answer.leaseId} ${e.answer.resourceId}`)) {
         violations.push(`acknowledged but not in Postgres: ${e.answer.leaseId} ${e.answer.resourceId}`);
       }
     }
+    checkCommitAnswers(log, new Set(history.rows.filter((h) => h.action === 'allocate').map((h) => h.reservation_id!)), violations, counts);
   } finally {
     await sql.end();
   }
   return { violations, diagnostics, counts };
+}
+
+/**
+ * Confirm and complete, per reservation (or lease): every `200` answer to it has the same body (idempotent: the same
+ * call again returns the same body; the clients choose one item per reservation, and send it again only with the
+ * same choice); and one all of whose attempts were refused (a 4xx, which says nothing was allocated) allocated
+ * nothing. An attempt answered 503, or not at all, may have landed: such a reservation is not judged.
+ */
+function checkCommitAnswers(log: Exchange[], allocated: Set<string>, violations: string[], counts: Record<string, number>): void {
+  const attempts = new Map<string, Exchange[]>();
+  for (const e of log) {
+    if (e.op !== 'confirm' && e.op !== 'complete') continue;
+    const rid = e.path.split('/')[3];
+    attempts.set(rid, [...(attempts.get(rid) ?? []), e]);
+  }
+  counts.commitsRepeated = 0;
+  counts.commitsRefused = 0;
+  for (const [rid, tries] of attempts) {
+    const answered = tries.filter((e) => e.status === 200).map((e) => JSON.stringify(e.answer));
+    if (answered.length > 1) counts.commitsRepeated++;
+    if (new Set(answered).size > 1)
+      violations.push(`${tries[0].op} of ${rid} answered 200 with different bodies: ${[...new Set(answered)].join(' / ')}`);
+    if (answered.length === 0 && tries.every((e) => e.status >= 400 && e.status < 500)) {
+      counts.commitsRefused++;
+      if (allocated.has(rid)) {
+        violations.push(
+          `${tries[0].op} of ${rid} refused (${tries.map((e) => `${e.status} ${e.answer?.error?.code}`).join(', ')}), yet allocated in Postgres`,
+        );
+      }
+    }
+  }
 }
 
 /**
