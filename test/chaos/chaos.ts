@@ -12,7 +12,7 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { poolKeys } from '../../src/redis/keys.js';
 import { OwnRedis, freePort } from '../support/services.js';
-import { FaultWindow, HoldSampler, check } from './checker.js';
+import { FaultWindow, FlowSampler, HoldSampler, check } from './checker.js';
 import { Traffic, buyer, reviewer } from './clients.js';
 import { ProxyProcess } from './proxy-process.js';
 import { ChaosPostgres, Instance } from './cluster.js';
@@ -119,11 +119,19 @@ async function main(): Promise<number> {
     await api(a, 'POST', '/v1/pools/pause/resources', { items: [{ value: 'the-one' }] });
 
     const sampler = new HoldSampler(direct, [`${PREFIX}{numbers}:`, `${PREFIX}{reviews}:`]);
+    const flowSampler = new FlowSampler(direct, pg.url, { numbers: `${PREFIX}{numbers}:`, reviews: `${PREFIX}{reviews}:` }, windows);
     const sampling = (async () => {
       while (!traffic.stopped) {
         await sampler.sample();
         await sleep(500);
       }
+    })();
+    const flowSampling = (async () => {
+      while (!traffic.stopped) {
+        await flowSampler.sample();
+        await sleep(250);
+      }
+      await flowSampler.close();
     })();
     say(`load: ${BUYERS} buyers, ${REVIEWERS} reviewers on ${NUMBERS} numbers and ${TASKS} tasks`);
     const clients = [
@@ -189,11 +197,13 @@ async function main(): Promise<number> {
       await proxy.open();
     });
 
-    await sleep(PHASE_MS);
+    // The last phase is long enough for the flow sampler to judge items that went missing after the last fault.
+    await sleep(Math.max(PHASE_MS, 12_000));
     say('stopping the load');
     traffic.stopped = true;
     await Promise.all(clients);
     await sampling;
+    await flowSampling;
 
     // Give back every hold still open, then the whole pool must be free again within 5 s (and then reservable).
     const stopAt = Date.now();
@@ -218,13 +228,16 @@ async function main(): Promise<number> {
     say(`SIGTERM with 50 requests in flight: exit code ${shutdown.code} after ${shutdown.ms} ms; ${50 - unanswered.length} answered`);
 
     const verdict = await check(traffic.log, windows, pg.url);
-    verdict.violations.push(...sampler.violations, ...flow.violations);
+    verdict.violations.push(...sampler.violations, ...flowSampler.violations, ...flow.violations);
+    if (flowSampler.samples < 5) verdict.violations.push(`flow sampler could sample only ${flowSampler.samples} times`);
     if (shutdown.code !== 0) verdict.violations.push(`graceful shutdown exited with ${shutdown.code}`);
     for (const r of unanswered) verdict.violations.push(`request in flight at SIGTERM got ${r.status} ${JSON.stringify(r.body)}`);
     if (flowMs > 5000) verdict.violations.push(`the pool took ${flowMs} ms to become reservable again`);
     if (sampler.samplesWithHolds < 5) verdict.violations.push(`hold sampler saw live holds only ${sampler.samplesWithHolds} times`);
     if (verdict.counts.commitsRepeated === 0 || verdict.counts.commitsRefused === 0) {
-      verdict.violations.push('no confirm answered 200 twice, or none refused in all its attempts: the checks of their answers went untested');
+      verdict.violations.push(
+        'no confirm answered 200 twice, or none refused in all its attempts: the checks of their answers went untested',
+      );
     }
     if (verdict.counts.keyedReplaysAcrossRedisLoss === 0) {
       verdict.violations.push('no keyed reserve was retried, and answered, across a loss of Redis data: the case went untested');
@@ -242,6 +255,8 @@ async function main(): Promise<number> {
       ...verdict.counts,
       '503ByFault': per503,
       holdSamples: sampler.samples,
+      flowSamples: flowSampler.samples,
+      flowLongestMissingMs: flowSampler.longestMissingMs,
       recoveryMs: recovery,
       wholePoolReservableMs: flowMs,
       gracefulShutdownMs: shutdown.ms,

@@ -72,6 +72,97 @@ export class HoldSampler {
   }
 }
 
+/**
+ * Invariant 4, sampled during the run: an item free in Postgres is, in Redis, under a hold key (a live hold, a pinned
+ * commit's, or an allocation's tombstone not yet replaced by its release's indexing) or in the pool's free index
+ * (reservable). One seen neither for more than FLOW_LIMIT_MS, with no fault window overlapping that time (Redis lost or
+ * unreachable: the rebuild puts it back; an instance killed between a release's Postgres and Redis steps), is a
+ * violation. Postgres is read first, then Redis in one script: an item allocated between the two reads is under its
+ * commit's hold or its tombstone in Redis.
+ */
+export class FlowSampler {
+  /** API.md's 2 s, and the time between samples and the time a sample takes. */
+  static readonly FLOW_LIMIT_MS = 3000;
+  samples = 0;
+  /** The longest an item was seen neither held nor reservable with no fault window overlapping that time. */
+  longestMissingMs = 0;
+  readonly violations: string[] = [];
+  /** Item ids seen free in Postgres and missing in Redis in every sample since the first that saw it so, and when that was. */
+  private readonly missingSince = new Map<string, number>();
+  private readonly reported = new Set<string>();
+  private sql: pg.Client | undefined;
+
+  constructor(
+    private readonly redis: Redis,
+    private readonly databaseUrl: string,
+    /** Pool name to its Redis key base. */
+    private readonly pools: Record<string, string>,
+    private readonly windows: FaultWindow[],
+  ) {}
+
+  /** Whether a fault window overlaps the time from `from` to `to` (or its grace after it does). */
+  private faulty(from: number, to: number): boolean {
+    return this.windows.some((w) => w.start <= to && (w.end || Infinity) + GRACE_MS >= from);
+  }
+
+  async sample(): Promise<void> {
+    const missing = new Set<string>();
+    try {
+      if (!this.sql) {
+        const sql = new pg.Client({ connectionString: this.databaseUrl, connectionTimeoutMillis: 1000, query_timeout: 2000 });
+        sql.on('error', () => (this.sql = undefined));
+        await sql.connect();
+        this.sql = sql;
+      }
+      for (const [pool, base] of Object.entries(this.pools)) {
+        const free = await this.sql.query<{ id: string; value: string }>(
+          `SELECT r.id::text AS id, r.value FROM t_resource r JOIN t_pool p ON p.id = r.pool_id WHERE r.state = 1 AND p.name = $1`,
+          [pool],
+        );
+        const args = free.rows.flatMap((row) => [row.id, `${row.value}\0${row.id}`]);
+        for (const id of (await this.redis.eval(UNACCOUNTED, 0, base, ...args)) as string[]) missing.add(id);
+      }
+    } catch {
+      await this.sql?.end().catch(() => undefined);
+      this.sql = undefined;
+      // Postgres or Redis down or slow right now: nothing to sample, and no item is known to have stayed missing.
+      this.missingSince.clear();
+      return;
+    }
+    // When Redis was read: a sample may take a second or more on the loaded machine, and what it saw missing was
+    // missing then (a fault that began after the sample did may be why).
+    const at = Date.now();
+    this.samples++;
+    for (const id of this.missingSince.keys()) if (!missing.has(id)) this.missingSince.delete(id);
+    for (const id of missing) {
+      const since = this.missingSince.get(id) ?? at;
+      this.missingSince.set(id, since);
+      if (this.faulty(since, at)) continue;
+      this.longestMissingMs = Math.max(this.longestMissingMs, at - since);
+      if (at - since <= FlowSampler.FLOW_LIMIT_MS || this.reported.has(id)) continue;
+      this.reported.add(id);
+      this.violations.push(
+        `item ${id}: free in Postgres, neither held nor reservable in Redis for ${at - since} ms (since ${new Date(since).toISOString()})`,
+      );
+    }
+  }
+
+  async close(): Promise<void> {
+    await this.sql?.end().catch(() => undefined);
+  }
+}
+
+/** ARGV: base, then pairs of an item id and its free-index member. Returns the ids under no hold key and not in the index. */
+const UNACCOUNTED = `
+local base = ARGV[1]
+local out = {}
+for i = 2, #ARGV, 2 do
+  if redis.call('EXISTS', base .. 'h:' .. ARGV[i]) == 0 and not redis.call('ZSCORE', base .. 'free', ARGV[i + 1]) then
+    out[#out + 1] = ARGV[i]
+  end
+end
+return out`;
+
 export interface Verdict {
   violations: string[];
   /** What helps explain the violations (the history of an item whose hold was not honoured); not counted. */
