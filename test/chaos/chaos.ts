@@ -198,7 +198,7 @@ async function main(): Promise<number> {
     });
 
     // The last phase is long enough for the flow sampler to judge items that went missing after the last fault.
-    await sleep(Math.max(PHASE_MS, 12_000));
+    await sleep(Math.max(PHASE_MS, 16_000));
     say('stopping the load');
     traffic.stopped = true;
     await Promise.all(clients);

@@ -81,8 +81,13 @@ export class HoldSampler {
  * commit's hold or its tombstone in Redis.
  */
 export class FlowSampler {
-  /** API.md's 2 s, and the time between samples and the time a sample takes. */
-  static readonly FLOW_LIMIT_MS = 3000;
+  /**
+   * API.md's 2 s, and the time between two samples (about 2 s on the loaded machine: the suite's 1,000 clients share
+   * its event loop) and the sweeper's lag under the suite's load. The longest an item was seen missing outside faults
+   * in runs of unchanged code: 0-2.6 s in short runs, 3.0 s in a full one; with an expiry that frees nothing (the
+   * periodic rebuild puts the items back within 10 s), 5.3-7.1 s.
+   */
+  static readonly FLOW_LIMIT_MS = 4500;
   samples = 0;
   /** The longest an item was seen neither held nor reservable with no fault window overlapping that time. */
   longestMissingMs = 0;
