@@ -12,7 +12,7 @@ export class MetricsController {
   @Header('cache-control', 'no-store')
   @ApiOperation({ summary: 'Prometheus metrics of this instance (no auth)' })
   @ApiOkResponse({
-    description: 'The metrics in the Prometheus text format (README, "Metrics")',
+    description: 'The metrics in the Prometheus text format (names in the README, "Operations")',
     content: {
       'text/plain': {
         schema: {
