@@ -110,8 +110,8 @@ async function migrate(config: AppConfig): Promise<string[]> {
 // make it a silent no-op.)
 if (process.argv[1] !== undefined && fileURLToPath(import.meta.url) === realpathOrSelf(process.argv[1])) {
   // A bad setting is one line (its message lists every bad variable), as at the service's start, not a stack.
-  new Promise<AppConfig>((resolve) => resolve(loadConfig(process.env)))
-    .then(runMigrations)
+  Promise.resolve()
+    .then(() => runMigrations(loadConfig(process.env)))
     .then((applied) => {
       console.log(applied.length ? `applied: ${applied.join(', ')}` : 'no pending migrations');
     })

@@ -1,5 +1,5 @@
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
-import { TestInstance, TestWorld, eventually } from '../support/harness.js';
+import { TestInstance, TestWorld, eventually, sleep } from '../support/harness.js';
 
 describe('review tasks', () => {
   const world = new TestWorld('tasks');
@@ -167,7 +167,7 @@ describe('review tasks', () => {
     expect(nullBeat.status).toBe(400);
     expect(nullBeat.body.error.details.fields).toEqual([{ field: 'body', reason: 'the body must be a JSON object' }]);
     // Had it extended the lease by the pool's holdTtlMs, this heartbeat past the first expiresAt would succeed.
-    await new Promise((resolve) => setTimeout(resolve, Date.parse(lease.body.expiresAt) - Date.now() + 200));
+    await sleep(Date.parse(lease.body.expiresAt) - Date.now() + 200);
     const late = await a.request('POST', `/v1/tasks/${lease.body.leaseId}/heartbeat`);
     expect(late.status).toBe(409);
     expect(late.body.error.code).toBe('HOLD_EXPIRED');
