@@ -1,13 +1,14 @@
 import { LoggerService } from '@nestjs/common';
-import { pino, Logger as Pino, LevelWithSilent } from 'pino';
+import { pino, DestinationStream, Logger as Pino, LevelWithSilent } from 'pino';
 
-/** The process's one pino logger: JSON lines on stdout. */
-export function createPino(level: string): Pino {
-  return pino({ level: level as LevelWithSilent });
+/** The process's one pino logger: JSON lines on stdout, each with its level's name (`"level":"warn"`), not pino's number. */
+export function createPino(level: string, destination?: DestinationStream): Pino {
+  const options = { level: level as LevelWithSilent, formatters: { level: (label: string) => ({ level: label }) } };
+  return destination ? pino(options, destination) : pino(options);
 }
 
 /**
- * Nest's logger on top of pino: `{"level":30,"time":…,"context":"SweeperService","msg":"…"}`. Request
+ * Nest's logger on top of pino: `{"level":"info","time":…,"context":"SweeperService","msg":"…"}`. Request
  * lines and error lines carry the request id (`reqId`); no per-request async context is kept, which
  * would cost every promise of every request a hook.
  */

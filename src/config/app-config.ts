@@ -232,6 +232,11 @@ export function expiryBudgetWarning(config: AppConfig): string | null {
   );
 }
 
+/** A setting's failed constraints; a value that is not an integer at all is told only that (not its bounds too). */
+function messages(constraints: Record<string, string> = {}): string {
+  return constraints.isInt ?? Object.values(constraints).join('; ');
+}
+
 /** Reads and validates the whole configuration; every bad variable is reported at once. */
 export function loadConfig(env: Record<string, string | undefined>): AppConfig {
   const known = Object.keys(new AppConfig());
@@ -242,9 +247,7 @@ export function loadConfig(env: Record<string, string | undefined>): AppConfig {
   }
   const config = plainToInstance(AppConfig, given);
   const errors = validateSync(config, { whitelist: true, forbidUnknownValues: true });
-  const problems = errors.map(
-    (e) => `${e.property}=${redacted(e.property, env[e.property])}: ${Object.values(e.constraints ?? {}).join('; ')}`,
-  );
+  const problems = errors.map((e) => `${e.property}=${redacted(e.property, env[e.property])}: ${messages(e.constraints)}`);
   const bad = new Set(errors.map((e) => e.property));
   if (
     !bad.has('IDEMPOTENCY_TTL_MS') &&

@@ -282,6 +282,8 @@ async function main(): Promise<number> {
     await redis.stop();
     pg.destroy();
   }
+  if (failed || process.env.CHAOS_KEEP_LOGS === '1') say(`logs and report.json kept in ${workDir}`);
+  else rmSync(workDir, { recursive: true, force: true });
   return failed ? 1 : 0;
 }
 

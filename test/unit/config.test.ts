@@ -32,6 +32,21 @@ describe('loadConfig', () => {
     expect((error as ConfigError).message).toContain('PORT="eighty"');
   });
 
+  it('tells a value that is no integer only that, and one out of bounds its bound', () => {
+    const problemsOf = (env: Record<string, string>) => {
+      try {
+        loadConfig(env);
+      } catch (err) {
+        return (err as ConfigError).problems;
+      }
+      throw new Error('accepted');
+    };
+    expect(problemsOf({ PORT: 'abc' })).toEqual(['PORT="abc": PORT must be an integer number']);
+    expect(problemsOf({ PORT: '1.5' })).toEqual(['PORT="1.5": PORT must be an integer number']);
+    expect(problemsOf({ PORT: '70000' })).toEqual(['PORT="70000": PORT must not be greater than 65535']);
+    expect(problemsOf({ SHUTDOWN_TIMEOUT_MS: '0' })).toEqual(['SHUTDOWN_TIMEOUT_MS="0": SHUTDOWN_TIMEOUT_MS must not be less than 1000']);
+  });
+
   it('warns when the hold grace and the sweep interval leave too little of the 2 s expiry promise for a sweep pass', () => {
     const base = { DATABASE_URL: 'postgres://x' };
     expect(expiryBudgetWarning(loadConfig(base))).toBeNull(); // 500 + 250
