@@ -187,8 +187,10 @@ export const TOMBSTONE_MS = 60_000;
 export const OPEN_RECORD_MARGIN_MS = 86_400_000;
 /** A rebuild round's key outlives any round (a lingering one, of a round that died, expires). */
 const REBUILD_RUN_KEY_MS = 24 * 3600_000;
-/** Reserves waiting to be undone at most (undoLater); past that, one is left to expire with its hold. */
+/** Reserves and pins waiting to be undone at most (undoLater); past that, one is left to expire with its hold. */
 const MAX_PENDING_UNDOS = 10_000;
+/** A request that got no answer from Redis, to undo: a reserve, or a confirm's pin (by its attempt's token). */
+type Undo = { pool: string; reservationId: string; idempotencyKey?: string } | { pool: string; reservationId: string; token: string };
 /** What a call acts on: 'r' a reservation, 'l' a task lease, '' either (a record of the other kind is missing to it). */
 export type RecordKind = 'r' | 'l' | '';
 
@@ -556,18 +558,30 @@ export class HoldStore implements OnApplicationShutdown {
   ): Promise<PinResult> {
     // The attempt's token: a second send after a timeout carries the same, and learns whether its first run opened
     // the epoch (pin.lua).
-    const reply = await this.run<string[]>(
-      'pin',
-      pool,
-      reservationId,
-      windowMs,
-      selection.join(','),
-      this.config.HOLD_GRACE_MS,
-      endedEpoch ?? '',
-      this.openRecordMs,
-      randomUUID(),
-      kind,
-    );
+    const token = randomUUID();
+    let reply: string[];
+    try {
+      reply = await this.run<string[]>(
+        'pin',
+        pool,
+        reservationId,
+        windowMs,
+        selection.join(','),
+        this.config.HOLD_GRACE_MS,
+        endedEpoch ?? '',
+        this.openRecordMs,
+        token,
+        kind,
+      );
+    } catch (err) {
+      // A pin that got no answer may have run, or may still, and the confirm is answered 503 (nothing was changed):
+      // it is undone (unpin.lua, by its token), as a reserve that got no answer is (see reserve), so that the
+      // reservation is not left confirming, refusing its extend and release, until its commit window ends.
+      if (err instanceof DomainError && err.code === ErrorCode.DEPENDENCY_UNAVAILABLE && !neverSent(err)) {
+        await this.undoPin(pool, reservationId, token).catch(() => this.later(`p:${reservationId}:${token}`, { pool, reservationId, token }));
+      }
+      throw err;
+    }
     switch (reply[0]) {
       case 'pinned':
         return {
@@ -642,8 +656,22 @@ export class HoldStore implements OnApplicationShutdown {
     await this.script<string[]>('release', pool, [reservationId, this.retentionMs, '', '1', idempotencyKey ?? ''], false);
   }
 
-  /** Reserves that got no answer and could not be undone yet (Redis unreachable), by reservation id. */
-  private readonly undos = new Later<{ pool: string; reservationId: string; idempotencyKey?: string }>(MAX_PENDING_UNDOS);
+  /**
+   * Undoes the pin of a confirm attempt that got no answer, by its token (unpin.lua): if it opened its epoch and no pin
+   * came after it, the reservation is held again as before it (true). Idempotent; sent once (a retry is the upkeep's).
+   */
+  async undoPin(pool: string, reservationId: string, token: string): Promise<boolean> {
+    return (await this.script<number>('unpin', pool, [reservationId, '', '', this.config.HOLD_GRACE_MS, '', '', '0', token], false)) === 1;
+  }
+
+  /** Reserves and pins that got no answer and could not be undone yet (Redis unreachable), by request. */
+  private readonly undos = new Later<Undo>(MAX_PENDING_UNDOS);
+
+  private later(key: string, undo: Undo): void {
+    if (!this.undos.add(key, undo)) {
+      this.logger.warn(`more than ${MAX_PENDING_UNDOS} requests wait to be undone; ${undo.reservationId} is left to expire`);
+    }
+  }
 
   /**
    * Takes a reserve that waited (`waits`) out of its waiting line (reserve.lua, `line`), when it gives up without the
@@ -666,14 +694,14 @@ export class HoldStore implements OnApplicationShutdown {
   }
 
   private undoLater(pool: string, req: ReserveRequest): void {
-    if (!this.undos.add(req.reservationId, { pool, reservationId: req.reservationId, idempotencyKey: req.idempotencyKey })) {
-      this.logger.warn(`more than ${MAX_PENDING_UNDOS} reserves wait to be undone; ${req.reservationId} is left to expire`);
-    }
+    this.later(`r:${req.reservationId}`, { pool, reservationId: req.reservationId, idempotencyKey: req.idempotencyKey });
   }
 
   /** Sends the undos that could not be sent (undoLater) again; run by the sweeper's upkeep. Returns how many went. */
   retryUndos(): Promise<number> {
-    return this.undos.retry((undo) => this.undoReserve(undo.pool, undo.reservationId, undo.idempotencyKey));
+    return this.undos.retry((undo) =>
+      'token' in undo ? this.undoPin(undo.pool, undo.reservationId, undo.token) : this.undoReserve(undo.pool, undo.reservationId, undo.idempotencyKey),
+    );
   }
 
   /** `kind`: as for release. */

@@ -133,7 +133,7 @@ export class SweeperService implements OnApplicationBootstrap, OnModuleDestroy {
     this.failed.upkeep = false;
     try {
       const undone = await this.holds.retryUndos();
-      if (undone > 0) this.logger.log(`${undone} reserves that got no answer from Redis undone`);
+      if (undone > 0) this.logger.log(`${undone} reserves and confirms that got no answer from Redis undone`);
     } catch (err) {
       this.warn('upkeep', 'undoing reserves that got no answer', err);
     }

@@ -54,6 +54,24 @@ describe('Redis command timeouts (withTimeout)', () => {
   });
 });
 
+/** `request` sent while the Redis at `url` is busy for `ms` (a long script elsewhere, a stalled disk); its answer once Redis is free. */
+async function whileBusy<T = HttpAnswer>(url: string, ms: number, request: () => Promise<T>): Promise<T> {
+  const client = new Redis(url);
+  const spin = `local t = redis.call('TIME'); local s = t[1] * 1000 + t[2] / 1000
+    repeat local n = redis.call('TIME') until n[1] * 1000 + n[2] / 1000 - s > tonumber(ARGV[1])
+    return 1`;
+  try {
+    await client.ping();
+    const busy = client.eval(spin, 0, ms);
+    await sleep(50);
+    const answer = await request();
+    await busy;
+    return answer;
+  } finally {
+    client.disconnect();
+  }
+}
+
 describe('a reserve that got no answer in time', () => {
   const world = new TestWorld('reservetimeout');
   let own: OwnRedis;
@@ -72,23 +90,7 @@ describe('a reserve that got no answer in time', () => {
     }
   });
 
-  /** `request` sent while Redis is busy for `ms` (a long script elsewhere, a stalled disk); its answer once Redis is free. */
-  async function whileRedisBusy<T = HttpAnswer>(ms: number, request: () => Promise<T>): Promise<T> {
-    const client = new Redis(own.url);
-    const spin = `local t = redis.call('TIME'); local s = t[1] * 1000 + t[2] / 1000
-      repeat local n = redis.call('TIME') until n[1] * 1000 + n[2] / 1000 - s > tonumber(ARGV[1])
-      return 1`;
-    try {
-      await client.ping();
-      const busy = client.eval(spin, 0, ms);
-      await sleep(50);
-      const answer = await request();
-      await busy;
-      return answer;
-    } finally {
-      client.disconnect();
-    }
-  }
+  const whileRedisBusy = <T = HttpAnswer>(ms: number, request: () => Promise<T>) => whileBusy(own.url, ms, request);
 
   it('without an Idempotency-Key is answered 503, and holds nothing once Redis has run it', async () => {
     await seedPool(api, 'slow', numbers(1), { maxHoldsPerOwner: 1 });
@@ -276,5 +278,93 @@ describe('a reserve that got no answer in time', () => {
     expect(replay.status).toBe(200);
     expect(replay.body).toMatchObject({ id: first.body.id, state: 'held' });
     expect(await api.stats('keyed-other')).toEqual({ total: 2, free: 1, held: 1, allocated: 0 });
+  });
+});
+
+describe('a confirm whose pin got no answer in time', () => {
+  const world = new TestWorld('pintimeout');
+  let own: OwnRedis;
+  let api: TestInstance;
+
+  beforeAll(async () => {
+    // A Redis of its own: these tests keep it busy.
+    own = await OwnRedis.start();
+    api = await world.start({ REDIS_URL: own.url, REDIS_TIMEOUT_MS: '200', RECONCILE_INTERVAL_MS: '0' });
+  });
+  afterAll(async () => {
+    try {
+      await world.cleanup();
+    } finally {
+      await own.stop();
+    }
+  });
+
+  /** A reservation of `count` items, made while Redis answers. */
+  async function reserved(pool: string, count: number): Promise<{ id: string; items: { resourceId: string }[] }> {
+    await seedPool(api, pool, numbers(count + 1));
+    const r = await api.post(`/v1/pools/${pool}/reservations`, { owner: 'buyer', count, ttlMs: 600_000 });
+    expect(r.status).toBe(201);
+    return r.body;
+  }
+
+  it('is answered 503 and leaves the reservation held, not confirming: extend and release work at once', async () => {
+    const r = await reserved('pin-undone', 3);
+    const chosen = r.items[0].resourceId;
+    const answer = await whileBusy(own.url, 700, () => api.post(`/v1/reservations/${r.id}/confirm`, { resourceIds: [chosen] }));
+    expect(answer.status).toBe(503);
+    expect(answer.body.error).toMatchObject({ code: 'DEPENDENCY_UNAVAILABLE', message: expect.stringMatching(/nothing was changed/) });
+    // Redis ran the pin (twice: it was sent again after the first timeout) once it was free, then its undo: the
+    // reservation is held, with no commit epoch, as before the confirm.
+    const record = poolKeys(world.prefix, 'pin-undone').reservation(r.id);
+    const client = new Redis(own.url);
+    try {
+      const fields = await client.hmget(record, 's', 'ep', 'eo', 'pn');
+      expect(fields.slice(0, 3)).toEqual(['held', null, null]);
+      expect(Number(fields[3])).toBeGreaterThanOrEqual(1); // the pin did run
+    } finally {
+      client.disconnect();
+    }
+    expect((await api.get(`/v1/reservations/${r.id}`)).body.state).toBe('held');
+    const extended = await api.post(`/v1/reservations/${r.id}/extend`, { ttlMs: 60_000 });
+    expect(extended.status).toBe(200);
+    const released = await api.del(`/v1/reservations/${r.id}`);
+    expect(released.status).toBe(200);
+    expect(released.body.state).toBe('released');
+    expect(await api.stats('pin-undone')).toEqual({ total: 4, free: 4, held: 0, allocated: 0 });
+    expect(await world.query("SELECT id FROM t_resource WHERE state <> 1")).toEqual([]);
+  });
+
+  it('is answered 503, and its retry confirms', async () => {
+    const r = await reserved('pin-retried', 3);
+    const chosen = r.items[1].resourceId;
+    const answer = await whileBusy(own.url, 700, () => api.post(`/v1/reservations/${r.id}/confirm`, { resourceIds: [chosen] }));
+    expect(answer.status).toBe(503);
+    const retry = await api.post(`/v1/reservations/${r.id}/confirm`, { resourceIds: [chosen] });
+    expect(retry.status).toBe(200);
+    expect(retry.body.allocated.map((a: { resourceId: string }) => a.resourceId)).toEqual([chosen]);
+    expect(retry.body.released).toHaveLength(2);
+    expect(await api.stats('pin-retried')).toEqual({ total: 4, free: 3, held: 0, allocated: 1 });
+  });
+
+  it("the undo leaves a pin that joined the epoch after it alone, and a pin whose token is another's", async () => {
+    const r = await reserved('pin-joined', 2);
+    const holds = api.app.get(HoldStore);
+    const selection = [r.items[0].resourceId];
+    const record = poolKeys(world.prefix, 'pin-joined').reservation(r.id);
+    const client = new Redis(own.url);
+    try {
+      const first = await holds.pin('pin-joined', r.id, selection, 15_000);
+      expect(first).toMatchObject({ status: 'pinned', opened: true });
+      const token = (await client.hget(record, 'eo'))!;
+      expect(await holds.undoPin('pin-joined', r.id, 'another-attempt')).toBe(false);
+      // The same confirm again (the caller's retry) joins the epoch: it may be committing, so the first's undo
+      // must leave the reservation confirming.
+      const joined = await holds.pin('pin-joined', r.id, selection, 15_000);
+      expect(joined).toMatchObject({ status: 'pinned', opened: false });
+      expect(await holds.undoPin('pin-joined', r.id, token)).toBe(false);
+      expect(await client.hget(record, 's')).toBe('confirming');
+    } finally {
+      client.disconnect();
+    }
   });
 });

@@ -19,14 +19,26 @@
 -- When Postgres has ended every epoch of the reservation up to this one (ARGV 8), no commit can land on its holds:
 -- they end with the hold again, as after abort's "held again", so that at expiry the sweep frees the items without
 -- waiting for Postgres (invariant 4), and the reservation records the epoch as ended ('ad', for extend).
+-- A pin that got no answer (a Redis timeout, sent twice) may have run, or may still run, while its confirm is
+-- answered 503 (nothing was changed): it is undone by its attempt's token (ARGV 9), sent after it on the same
+-- connection. Only a pin that opened the epoch records its token ('eo'); that attempt never reached Postgres (it
+-- had no answer to go on with), so it cannot land, and is undone as above with what its pin recorded (its epoch,
+-- number and what it took back), unless another pin came after it (it joined the epoch, and is committing). A pin
+-- that joined an epoch is left to the opener, whose own outcome settles it.
 -- ARGV: 1 base, 2 rid, 3 epoch, 4 the failed pin's number, 5 grace ms (see reserve),
 --       6 the ids the failed pin took back, comma separated, if the attempt cannot land ("" = none),
 --       7 "1" if the attempt cannot land and its pin opened the epoch, 8 "1" if Postgres has ended every epoch up
---       to this one
--- Returns: 1 if the reservation is held again, 0 if it was left for the sweeper to settle
+--       to this one, 9 (instead of 3, 4, 6 and 7, which are then "") the token of an attempt whose pin got no answer
+-- Returns: 1 if the reservation is held again, 0 if it was left for the sweeper to settle (or, with a token, the pin
+--          has not run, joined an epoch, or another pin came after it)
 local base, rid, epoch, pin_number, grace = ARGV[1], ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[5])
 local retaken, restore, ended = ARGV[6], ARGV[7] == '1' and ARGV[3] == '1', ARGV[8] == '1'
 local rkey = base .. 'r:' .. rid
+if ARGV[9] and ARGV[9] ~= '' then
+  local eo, op, rt, ep = unpack(redis.call('HMGET', rkey, 'eo', 'op', 'rt', 'ep'))
+  if eo ~= ARGV[9] or not op then return 0 end
+  epoch, pin_number, retaken, restore = ep, op, rt or '', ep == '1'
+end
 local f = redis.call('HMGET', rkey, 's', 'e', 'ep', 'pn', 'i', 'sel')
 local now = now_ms()
 if f[1] ~= 'confirming' or f[3] ~= epoch or tonumber(f[4]) ~= tonumber(pin_number) then return 0 end
