@@ -46,7 +46,7 @@ if (mode === 'ceiling') {
   redis.defineCommand('rp_sweep', { numberOfKeys: 1, lua: loadScript(scripts, 'sweep') });
   const base = `${arg}{ceiling}:`;
   const call = redis as unknown as Record<string, (...args: unknown[]) => Promise<string[]>>;
-  sweepLikeRespool(async () => Number((await call.rp_sweep(`${base}free`, base, SWEEP_BATCH, 60_000, 15_000, SWEEP_WORK_BUDGET))[2]) === 1);
+  sweepLikeRespool(async () => Number((await call.rp_sweep(`${base}free`, base, SWEEP_BATCH, 60_000, 15_000, SWEEP_WORK_BUDGET, 500))[2]) === 1);
   app.post('/reserve', async (_req, reply) => {
     const r = await call.rp_reserve(
       `${base}free`,

@@ -718,7 +718,7 @@ export class HoldStore implements OnApplicationShutdown {
   }
 
   async sweep(pool: string, batch: number, recheckMs: number, workBudget: number): Promise<SweepResult> {
-    const reply = await this.run<(number | string)[]>('sweep', pool, batch, this.retentionMs, recheckMs, workBudget);
+    const reply = await this.run<(number | string)[]>('sweep', pool, batch, this.retentionMs, recheckMs, workBudget, this.config.HOLD_GRACE_MS);
     return {
       expiredReservations: Number(reply[0]),
       freedItems: Number(reply[1]),

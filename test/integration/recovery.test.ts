@@ -595,6 +595,34 @@ describe('recovery: Redis wiped or down, Postgres down, an instance gone', () =>
     });
   });
 
+  it('invariant 4: while Postgres is unreachable, the items a stalled confirm did not choose come back at their expiry', async () => {
+    await behindPostgresProxy(
+      { DB_TIMEOUT_MS: '1000', COMMIT_WINDOW_MS: '20000', RECONCILE_INTERVAL_MS: '0' },
+      'unchosen',
+      async ({ proxy, viaProxy }) => {
+        await seedPool(viaProxy, 'unchosen', numbers(2));
+        const r = await viaProxy.post('/v1/pools/unchosen/reservations', { owner: 'buyer', count: 2, ttlMs: 4000 });
+        const [chosen, other] = r.body.items.map((i: { resourceId: string }) => i.resourceId);
+        // A confirm pins one item for 2 s, and its instance dies before Postgres; then Postgres becomes unreachable.
+        // When the pin's window ends, the sweeper cannot learn the commit's outcome, and looks again a recheck
+        // (COMMIT_WINDOW_MS, 20 s) later; the item not chosen must not wait for that.
+        await stalledConfirm(viaProxy, 'unchosen', r.body.id, chosen, 2000);
+        await proxy.cut();
+        const { value } = await eventually(
+          async () => {
+            const next = await viaProxy.post('/v1/pools/unchosen/reservations', { owner: 'next', count: 1 });
+            return next.status === 201 && next;
+          },
+          12_000,
+          100,
+        );
+        expect(Date.now() - Date.parse(r.body.expiresAt)).toBeLessThan(2000);
+        expect(value.body.items.map((i: { resourceId: string }) => i.resourceId)).toEqual([other]);
+        await proxy.open();
+      },
+    );
+  }, 30_000);
+
   it('invariant 4: holds of an instance that is gone come back to the pool after their expiry', async () => {
     const doomed = await world.start();
     await seedPool(doomed, 'crash', numbers(2));

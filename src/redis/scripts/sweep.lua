@@ -4,10 +4,11 @@
 -- which asks Postgres what happened.
 -- ARGV: 1 base, 2 batch size (reservations), 3 retention ms, 4 recheck ms (when to look again at a stalled
 --       commit), 5 work budget: the batch ends early once the items freed so far needed this many index
---       writes (one per item, attribute and group), so that one call stays short whatever the reservations hold
+--       writes (one per item, attribute and group), so that one call stays short whatever the reservations hold,
+--       6 grace ms (see reserve)
 -- Returns: {reservations expired, items freed, 1 if more may be due now (else 0), stalled rid...}
 local base, batch, retention, recheck = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
-local budget = tonumber(ARGV[5])
+local budget, grace = tonumber(ARGV[5]), tonumber(ARGV[6])
 local now = now_ms()
 local exp = base .. 'exp'
 local due = redis.call('ZRANGEBYSCORE', exp, '-inf', now, 'LIMIT', 0, batch)
@@ -44,10 +45,15 @@ for _, rid in ipairs(due) do
     local n, fresh = free_items(base, rid, items, true, waited)
     freed = freed + n
     append_items(came_free, fresh)
-    -- Looked at again a recheck later, or when its commit window ends if that is sooner (pin.lua may have set an
-    -- earlier time, when the holds of the items it did not select ran out).
+    -- Looked at again a recheck later, or when its commit window ends, or when the holds of the items it did not
+    -- select run out (as pin.lua sets it), whichever is soonest: those items are freed then (above), not a recheck
+    -- later, should Postgres still not tell the commit's outcome (invariant 4).
     local window_end = tonumber(r.pw or 0) or 0
-    redis.call('ZADD', exp, (r.s == 'confirming' and window_end > now) and math.min(now + recheck, window_end) or now + recheck, rid)
+    local next_look = now + recheck
+    if r.s == 'confirming' and window_end > now then next_look = math.min(next_look, window_end) end
+    local holds_end = (tonumber(r.e) or 0) + grace + 1
+    if holds_end > now then next_look = math.min(next_look, holds_end) end
+    redis.call('ZADD', exp, next_look, rid)
     reply[#reply + 1] = rid
   elseif r.s == 'held' then
     -- Items that are not items (a hand edit of Redis, say) are not freed, so that expiry goes on in this pool:
