@@ -17,6 +17,14 @@ import { IsCharLength, IsFlatStringRecord, IsResourceId, Omittable } from '../co
 import { MAX_TTL_MS } from '../pools/pool.dto.js';
 import { RESERVATION_ID_PATTERN } from '../redis/keys.js';
 
+/**
+ * What a confirm's `released` lists. A late confirm's (after expiry) other items went back to the pool at the expiry,
+ * and another caller may hold or own one since; the list stays the same for every repeat of the confirm.
+ */
+const RELEASED =
+  "the ids of the reservation's items not chosen, returned to the pool (by this confirm, or at the reservation's expiry " +
+  'for a confirm that came after it: another caller may hold one since)';
+
 export const RESERVATION_STATES = ['held', 'confirmed', 'released', 'expired'] as const;
 export type ReservationState = (typeof RESERVATION_STATES)[number];
 
@@ -143,7 +151,7 @@ export class ReservationDto {
   @ApiPropertyOptional({ description: 'After confirm: the items allocated to the owner', type: [AllocatedItemDto] })
   allocated?: AllocatedItemDto[];
 
-  @ApiPropertyOptional({ description: 'After confirm: the ids of the items returned to the pool', type: [String] })
+  @ApiPropertyOptional({ description: `After confirm: ${RELEASED}`, type: [String] })
   released?: string[];
 }
 
@@ -171,7 +179,7 @@ export class ConfirmResultDto {
   @ApiProperty({ description: 'Items allocated to the owner, with their new version', type: [AllocatedItemDto] })
   allocated: AllocatedItemDto[];
 
-  @ApiProperty({ description: 'Ids of the reservation items returned to the pool', type: [String] })
+  @ApiProperty({ description: RELEASED.charAt(0).toUpperCase() + RELEASED.slice(1), type: [String] })
   released: string[];
 }
 
