@@ -9,11 +9,14 @@ import { isStringRecord } from '../common/validators.js';
 import { CachedItem, HoldStore, toCachedItem } from '../redis/hold-store.repository.js';
 import { CommitService } from '../reservations/commit.service.js';
 import { PoolCatalog } from './pool-catalog.service.js';
+import { Later } from '../common/later.js';
 import { CreatePoolDto, ImportResourcesDto, ImportResultDto, PoolDto, PoolWithStatsDto, ResourceDto } from './pool.dto.js';
 
 export const DEFAULT_HOLD_TTL_MS = 600_000;
 /** Free items an instance keeps to index later (see reindexPending); beyond it, the periodic rebuild adds them. */
 const MAX_UNINDEXED = 100_000;
+/** Pools whose generation key an instance keeps to finalize later (see finalizeLater); beyond it, a rebuild does. */
+const MAX_UNFINALIZED = 1000;
 /** Items of a pool reindexPending reads and indexes in one go. */
 const REINDEX_BATCH = 5000;
 export const DEFAULT_MAX_HOLD_TTL_MS = 3_600_000;
@@ -68,16 +71,18 @@ export class PoolsService {
             },
       ]);
     }
-    // The pool's Redis generation first: a rebuild takes a missing key for a wiped Redis. Not while Redis
-    // is wiped and not rebuilt yet (the rebuild would bump the generation read now), and nothing is
-    // written to Postgres if Redis is down (503).
+    // The pool's Redis generation key first: a rebuild takes a missing key for a wiped Redis. Not while Redis
+    // is wiped and not rebuilt yet, and nothing is written to Postgres if Redis is down (503).
     if (!(await this.holds.markerPresent())) {
       throw DomainError.unavailable('redis', new Error('Redis was wiped and is being rebuilt from Postgres'));
     }
     // A pool that exists already is refused before Redis is touched: while a rebuild runs, its generation is the
     // rebuild's to write, once its Idempotency-Keys are back (RebuildService).
     if (await this.pools.findByName(dto.name)) throw poolExists(dto.name);
-    await this.holds.setGeneration(dto.name, await this.generations.current(), 'ifMissing');
+    // Pending (set_generation.lua): Redis may be wiped at any moment from the marker's check on, and a generation
+    // written into a wiped Redis would let holds be taken there that the rebuild's bump then fences. No reserve or
+    // import takes a pending key.
+    await this.holds.setGeneration(dto.name, 0, 'pending');
     const pool = await this.pools.insert({
       name: dto.name,
       kind: dto.kind,
@@ -86,13 +91,35 @@ export class PoolsService {
       maxHoldsPerOwner: dto.maxHoldsPerOwner ?? null,
     });
     if (!pool) throw poolExists(dto.name);
-    // Redis wiped between the key's write and the insert, and rebuilt from a pool list read before the
-    // insert: the key is gone, and nothing writes it again; a later rebuild would take that for a wipe
-    // and fence every live hold. Written again in the current generation: a rebuild that bumps it after
-    // this read lists the pool (its row is in) and writes the newer one over it.
-    await this.holds.setGeneration(pool.name, await this.generations.current(), 'ifMissing');
+    // The pool exists from here on: should Redis or Postgres fail now, the answer is still 201, and the key is
+    // finalized by the sweeper's upkeep (until then, the pool answers as one that is being rebuilt).
+    await this.finalizeGeneration(pool.name).catch((err: unknown) => {
+      this.logger.warn(`pool "${pool.name}" is created; its Redis generation is written later: ${String(err)}`);
+      this.unfinalized.add(pool.name, pool.name);
+    });
     this.catalog.remember(pool);
     return toPoolDto(pool);
+  }
+
+  /**
+   * A new pool's generation key, after its insert. Written pending again, should Redis have been wiped since and
+   * rebuilt from a pool list read before the insert: the key would be gone, nothing would write it again, and a later
+   * rebuild would take that for a wipe and fence every live hold. Then finalized with the generation Postgres has
+   * after the marker is seen: a wipe before that has been answered by a rebuild that bumped it (or the marker is
+   * missing, and the rebuild to come lists this pool, whose row is in, and writes its key over the pending one); a
+   * wipe after it is one the next bump answers.
+   */
+  private async finalizeGeneration(name: string): Promise<void> {
+    await this.holds.setGeneration(name, 0, 'pending');
+    if (await this.holds.markerPresent()) await this.holds.setGeneration(name, await this.generations.current(), 'finalize');
+  }
+
+  /** Pools this instance created whose generation key it could not finalize (Redis or Postgres out then). */
+  private readonly unfinalized = new Later<string>(MAX_UNFINALIZED);
+
+  /** Finalizes the generation keys of pools created while Redis or Postgres failed; run by the sweeper's upkeep. */
+  finalizeLater(): Promise<number> {
+    return this.unfinalized.retry((name) => this.finalizeGeneration(name));
   }
 
   async list(): Promise<PoolDto[]> {

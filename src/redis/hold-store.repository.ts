@@ -187,6 +187,11 @@ export const TOMBSTONE_MS = 60_000;
 export const OPEN_RECORD_MARGIN_MS = 86_400_000;
 /** A rebuild round's key outlives any round (a lingering one, of a round that died, expires). */
 const REBUILD_RUN_KEY_MS = 24 * 3600_000;
+/**
+ * A new pool's pending generation key (set_generation.lua) is finalized by its creator within a request; one older than
+ * this was left by a creator that died or stalled, and a rebuild finalizes it.
+ */
+export const PENDING_GENERATION_MS = 30_000;
 /** Reserves and pins waiting to be undone at most (undoLater); past that, one is left to expire with its hold. */
 const MAX_PENDING_UNDOS = 10_000;
 /** A request that got no answer from Redis, to undo: a reserve, or a confirm's pin (by its attempt's token). */
@@ -214,7 +219,7 @@ const CONNECT_RECHECK_MS = 1000;
 const CONNECT_RECHECK_MAX_MS = 16_000;
 /** A pool's generation (KEYS[1]) dropped only if it is ARGV[1] or older (see HoldStore.dropAll). */
 const DROP_GENERATION = `local gen = redis.call('GET', KEYS[1])
-if gen and tonumber(gen) <= tonumber(ARGV[1]) then return redis.call('DEL', KEYS[1]) end return 0`;
+if gen and (tonumber(gen) or 0) <= tonumber(ARGV[1]) then return redis.call('DEL', KEYS[1]) end return 0`;
 /**
  * A pool's keys (KEYS[3..]) unlinked only while it has no generation (KEYS[1]) and no rebuild is putting its
  * Idempotency-Keys back (KEYS[2]); -1 if not.
@@ -820,16 +825,24 @@ export class HoldStore implements OnApplicationShutdown {
   }
 
   /**
-   * Writes the pool's Redis generation: `always` (a rebuild in a new generation), `ifMissing` (a new pool),
-   * `ifPresent` (a rebuild in the current generation: a missing key means Redis was wiped since, and the
-   * old generation must not be written into the new Redis). Never over a newer generation (one a newer
-   * rebuild wrote while this instance stalled). `keysRound`, with `always`: the round that put the pool's
-   * Idempotency-Keys back (beginKeyRestore); if Redis has lost its mark since (wiped), nothing is written. Returns
-   * whether the key now holds `generation`.
+   * Writes the pool's Redis generation: `always` (a rebuild in a new generation), `ifPresent` (a rebuild in the current
+   * generation: a missing key means Redis was wiped since, and the old generation must not be written into the new
+   * Redis; a pending key is left to its creator until PENDING_GENERATION_MS have passed), `pending` (a pool being
+   * created: no reserve or import there yet) and `finalize` (its creator, over its pending key only: see
+   * set_generation.lua). Never over a newer generation (one a newer rebuild wrote while this instance stalled).
+   * `keysRound`, with `always`: the round that put the pool's Idempotency-Keys back (beginKeyRestore); if Redis has
+   * lost its mark since (wiped), nothing is written. Returns whether the key now holds `generation` (for `pending`:
+   * whether it is pending).
    */
-  async setGeneration(pool: string, generation: number, mode: 'always' | 'ifMissing' | 'ifPresent', keysRound = ''): Promise<boolean> {
-    return (await this.run<number>('set_generation', pool, generation, mode, keysRound)) === 1;
+  async setGeneration(
+    pool: string,
+    generation: number,
+    mode: 'always' | 'ifPresent' | 'pending' | 'finalize',
+    keysRound = '',
+  ): Promise<boolean> {
+    return (await this.run<number>('set_generation', pool, generation, mode, keysRound, PENDING_GENERATION_MS)) === 1;
   }
+
 
   /**
    * Marks the pool's Idempotency-Keys as being put back by this rebuild round, before the first one is: a wipe of

@@ -125,9 +125,9 @@ export class SweeperService implements OnApplicationBootstrap, OnModuleDestroy {
   }
 
   /**
-   * The reserves that got no answer and could not be undone yet, the landed commits whose Redis step failed, the
-   * stalled commits the sweep found, the free items an import or release left out of Redis, and the pool list, each
-   * failing on its own.
+   * The reserves and pins that got no answer and could not be undone yet, the landed commits whose Redis step failed,
+   * the stalled commits the sweep found, the generation keys of new pools not finalized yet, the free items an import
+   * or release left out of Redis, and the pool list, each failing on its own.
    */
   async upkeep(): Promise<void> {
     this.failed.upkeep = false;
@@ -158,6 +158,12 @@ export class SweeperService implements OnApplicationBootstrap, OnModuleDestroy {
           break;
         }
       }
+    }
+    try {
+      const finalized = await this.pools.finalizeLater();
+      if (finalized > 0) this.logger.log(`${finalized} new pools got their Redis generation after their creation could not write it`);
+    } catch (err) {
+      this.warn('upkeep', 'writing the Redis generation of new pools', err);
     }
     try {
       const added = await this.pools.reindexPending();

@@ -56,7 +56,7 @@ describe('pools and resources', () => {
       expect(await client.exists(generation)).toBe(0);
     } finally {
       const [{ gen }] = await world.query(`SELECT gen::int AS gen FROM t_redis_generation`);
-      await api.app.get(HoldStore).setGeneration('exists', gen, 'ifMissing');
+      await api.app.get(HoldStore).setGeneration('exists', gen, 'always');
       client.disconnect();
     }
   });

@@ -6,8 +6,11 @@ import { TestInstance, TestWorld, eventually, numbers, seedPool, sleep, stalledC
 import { OwnRedis, TcpProxy, freePort } from '../support/services.js';
 import { StartupError } from '../../src/common/dependency-errors.js';
 import { GenerationRepository } from '../../src/database/generation.repository.js';
-import { HoldStore } from '../../src/redis/hold-store.repository.js';
+import { HoldStore, PENDING_GENERATION_MS } from '../../src/redis/hold-store.repository.js';
 import { makeReservationId, poolKeys } from '../../src/redis/keys.js';
+import { PoolRepository } from '../../src/database/pool.repository.js';
+import { RebuildService } from '../../src/sweeper/rebuild.service.js';
+import { DomainError } from '../../src/common/errors.js';
 
 // Invariants 4, 5 and 6 under lost dependencies. This file runs its own redis-server, so it may
 // flush, stop and restart it without touching the machine's Redis, and reaches Postgres through a
@@ -135,6 +138,90 @@ describe('recovery: Redis wiped or down, Postgres down, an instance gone', () =>
     await wipeRedis();
     await eventually(async () => (await api.app.get(HoldStore).rebuildState()) === 'rebuilt', 10_000);
   }
+
+  /**
+   * Creates `name` with Redis wiped inside the create, at `where` (a repository call of the create), then imports 3
+   * items and reserves one at once, before any sweeper has seen the wipe; returns what those answered, and a confirm
+   * of each item reserved then or, once the rebuild is done, after. Every reserve answered 201 must confirm.
+   */
+  async function createAcrossWipe(name: string, where: 'findByName' | 'insert') {
+    const pools = api.app.get(PoolRepository);
+    const real = pools[where].bind(pools) as (...args: unknown[]) => Promise<unknown>;
+    const wiped = vi.spyOn(pools, where).mockImplementationOnce((async (...args: unknown[]) => {
+      const result = await real(...args);
+      await wipeRedis();
+      return result;
+    }) as never);
+    try {
+      expect((await api.post('/v1/pools', { name, kind: 'number' })).status).toBe(201);
+      expect(wiped).toHaveBeenCalled();
+    } finally {
+      wiped.mockRestore();
+    }
+    expect((await api.post(`/v1/pools/${name}/resources`, { items: numbers(3).map((value) => ({ value })) })).status).toBe(201);
+    const early = await api.post(`/v1/pools/${name}/reservations`, { owner: 'early', count: 1, ttlMs: 60_000 });
+    await eventually(async () => (await api.app.get(HoldStore).rebuildState()) === 'rebuilt', 10_000);
+    const { value: late } = await eventually(async () => {
+      const r = await api.post(`/v1/pools/${name}/reservations`, { owner: 'late', count: 1, ttlMs: 60_000 });
+      return r.status === 201 && r;
+    }, 10_000);
+    const confirms = [];
+    for (const r of [early, late].filter((answer) => answer.status === 201)) {
+      confirms.push((await api.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [r.body.items[0].resourceId] })).status);
+    }
+    return { early: early.status, confirms };
+  }
+
+  it('invariant 3: a pool created while Redis is wiped takes no hold until the rebuild, and every hold it gives confirms', async () => {
+    // Wiped after the insert: the create's last write of the pool's key comes after the wipe.
+    const after = await createAcrossWipe('created-wiped', 'insert');
+    expect(after).toEqual({ early: 409, confirms: [200] });
+    // Wiped after the marker was checked, before the create's first write of the key.
+    const before = await createAcrossWipe('created-wiped-early', 'findByName');
+    expect(before).toEqual({ early: 409, confirms: [200] });
+    expect(await api.stats('created-wiped')).toEqual({ total: 3, free: 2, held: 0, allocated: 1 });
+  });
+
+  it('a pool whose creation could not finalize its Redis generation (Redis failed then) is created, and reservable once the upkeep writes it', async () => {
+    const holds = api.app.get(HoldStore);
+    const real = holds.setGeneration.bind(holds);
+    const failed = vi.spyOn(holds, 'setGeneration').mockImplementation(async (pool, generation, mode, round) => {
+      if (mode === 'finalize') throw DomainError.unavailable('redis', new Error('connection lost'));
+      return real(pool, generation, mode, round);
+    });
+    try {
+      expect((await api.post('/v1/pools', { name: 'finalized-later', kind: 'number' })).status).toBe(201);
+      expect((await api.post('/v1/pools/finalized-later/resources', { items: [{ value: '1' }] })).status).toBe(201);
+      // Pending: no hold yet.
+      expect((await api.post('/v1/pools/finalized-later/reservations', { owner: 'o' })).body.error.code).toBe('POOL_EXHAUSTED');
+    } finally {
+      failed.mockRestore();
+    }
+    const { value } = await eventually(async () => {
+      const r = await api.post('/v1/pools/finalized-later/reservations', { owner: 'o' });
+      return r.status === 201 && r;
+    }, 5000);
+    expect((await api.post(`/v1/reservations/${value.body.id}/confirm`, { resourceIds: [value.body.items[0].resourceId] })).status).toBe(200);
+  });
+
+  it("a rebuild finalizes a new pool's generation key its creator left pending (it died) once the key is stale, not before", async () => {
+    await seedPool(api, 'creator-died', numbers(2));
+    const key = poolKeys(world.prefix, 'creator-died').generation;
+    const client = redis.client();
+    try {
+      await client.set(key, `p${Date.now()}`);
+      expect(await api.app.get(RebuildService).rebuild('periodic')).not.toBeNull();
+      expect(await client.get(key)).toMatch(/^p\d+$/);
+      expect((await api.post('/v1/pools/creator-died/reservations', { owner: 'o' })).status).toBe(409);
+      await client.set(key, `p${Date.now() - PENDING_GENERATION_MS - 5000}`);
+      expect(await api.app.get(RebuildService).rebuild('periodic')).not.toBeNull();
+      const [{ gen }] = await world.query(`SELECT gen::text AS gen FROM t_redis_generation`);
+      expect(await client.get(key)).toBe(gen);
+    } finally {
+      client.disconnect();
+    }
+    expect((await api.post('/v1/pools/creator-died/reservations', { owner: 'o' })).status).toBe(201);
+  });
 
   it('a keyed reserve retried after Redis is wiped answers with its confirmed reservation (200), holding nothing more', async () => {
     await seedPool(api, 'keyed', numbers(5));

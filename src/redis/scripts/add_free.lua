@@ -19,6 +19,9 @@ local base, generation, read_ms, max_age = ARGV[1], tonumber(ARGV[2]), tonumber(
 if now_ms() - read_ms > max_age then return -1 end
 local current = redis.call('GET', base .. 'gen')
 if not current then return 0 end
+-- A pool being created (its key pending, see set_generation): as if a rebuild came since; its creator's generation
+-- is not known yet.
+if not tonumber(current) then return -2 end
 if tonumber(current) > generation then return -2 end
 if tonumber(current) < generation then redis.call('SET', base .. 'gen', generation) end
 -- The items nobody holds, indexed together at the end (one ZADD on the free index for all of them).

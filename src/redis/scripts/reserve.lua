@@ -68,9 +68,10 @@ if max_holds > 0 then
 end
 
 -- No generation key: Redis was wiped and this pool is not rebuilt yet (the rebuild writes the key
--- before it adds any item). Nothing may be held until then.
+-- before it adds any item), or the pool is being created (its key pending, see set_generation). Nothing may be held
+-- until then.
 local generation = redis.call('GET', base .. 'gen')
-if not generation then return too_few({ 'exhausted' }) end
+if not tonumber(generation) then return too_few({ 'exhausted' }) end
 
 local free = base .. 'free'
 local hold_ms = ttl + grace
