@@ -6,7 +6,7 @@ import { PoolRepository } from '../database/pool.repository.js';
 import { NewResource, ResourceRepository, ResourceRow } from '../database/resource.repository.js';
 import { isAllocationTombstone } from '../redis/keys.js';
 import { isStringRecord } from '../common/validators.js';
-import { CachedItem, HoldStore, toCachedItem } from '../redis/hold-store.repository.js';
+import { CachedItem, HoldStore, PENDING_GENERATION_MS, toCachedItem } from '../redis/hold-store.repository.js';
 import { CommitService } from '../reservations/commit.service.js';
 import { PoolCatalog } from './pool-catalog.service.js';
 import { Later } from '../common/later.js';
@@ -17,6 +17,11 @@ export const DEFAULT_HOLD_TTL_MS = 600_000;
 const MAX_UNINDEXED = 100_000;
 /** Pools whose generation key an instance keeps to finalize later (see finalizeLater); beyond it, a rebuild does. */
 const MAX_UNFINALIZED = 1000;
+/**
+ * The upkeep looks for pending generation keys a dead creator left among the pools created this recently (see
+ * finalizeLater); older ones were stale when this instance started, and its startup rebuild finalized them.
+ */
+const SETTLE_WINDOW_MS = 10 * 60_000;
 /** Items of a pool reindexPending reads and indexes in one go. */
 const REINDEX_BATCH = 5000;
 export const DEFAULT_MAX_HOLD_TTL_MS = 3_600_000;
@@ -83,20 +88,17 @@ export class PoolsService {
     // written into a wiped Redis would let holds be taken there that the rebuild's bump then fences. No reserve or
     // import takes a pending key.
     await this.holds.setGeneration(dto.name, 0, 'pending');
-    const pool = await this.pools.insert({
-      name: dto.name,
-      kind: dto.kind,
-      holdTtlMs,
-      maxHoldTtlMs,
-      maxHoldsPerOwner: dto.maxHoldsPerOwner ?? null,
-    });
+    const pool = await this.pools
+      .insert({ name: dto.name, kind: dto.kind, holdTtlMs, maxHoldTtlMs, maxHoldsPerOwner: dto.maxHoldsPerOwner ?? null })
+      .catch((err: unknown) => {
+        // The insert may have committed with its answer lost: its key is finalized later if its row is there.
+        if (err instanceof DomainError && err.code === ErrorCode.DEPENDENCY_UNAVAILABLE) this.finalizeLaterOn(dto.name, err);
+        throw err;
+      });
     if (!pool) throw poolExists(dto.name);
     // The pool exists from here on: should Redis or Postgres fail now, the answer is still 201, and the key is
     // finalized by the sweeper's upkeep (until then, the pool answers as one that is being rebuilt).
-    await this.finalizeGeneration(pool.name).catch((err: unknown) => {
-      this.logger.warn(`pool "${pool.name}" is created; its Redis generation is written later: ${String(err)}`);
-      this.unfinalized.add(pool.name, pool.name);
-    });
+    await this.finalizeGeneration(pool.name).catch((err: unknown) => this.finalizeLaterOn(pool.name, err));
     this.catalog.remember(pool);
     return toPoolDto(pool);
   }
@@ -114,12 +116,48 @@ export class PoolsService {
     if (await this.holds.markerPresent()) await this.holds.setGeneration(name, await this.generations.current(), 'finalize');
   }
 
-  /** Pools this instance created whose generation key it could not finalize (Redis or Postgres out then). */
+  /** Pools this instance created, or may have, whose generation key it could not finalize (Redis or Postgres out). */
   private readonly unfinalized = new Later<string>(MAX_UNFINALIZED);
 
-  /** Finalizes the generation keys of pools created while Redis or Postgres failed; run by the sweeper's upkeep. */
-  finalizeLater(): Promise<number> {
-    return this.unfinalized.retry((name) => this.finalizeGeneration(name));
+  private finalizeLaterOn(name: string, err: unknown): void {
+    this.logger.warn(`pool "${name}" may be created; its Redis generation is written later: ${String(err)}`);
+    if (!this.unfinalized.add(name, name)) {
+      this.logger.warn(`more than ${MAX_UNFINALIZED} new pools wait for their generation; "${name}" waits for a rebuild`);
+    }
+  }
+
+  /** Recent pools whose generation key this instance has seen final (or missing: a rebuild's to write). */
+  private readonly settled = new Set<string>();
+
+  /**
+   * Run by the sweeper's upkeep. Finalizes the generation keys of pools this instance created, or may have, while
+   * Redis or Postgres failed (those whose row is there); and those of pools created in the last SETTLE_WINDOW_MS by an
+   * instance that died or stalled before it finalized them (pending for longer than PENDING_GENERATION_MS), which no
+   * rebuild would otherwise finalize with RECONCILE_INTERVAL_MS 0. Returns how many it finalized.
+   */
+  async finalizeLater(): Promise<number> {
+    let finalized = await this.unfinalized.retry(async (name) => {
+      if (await this.pools.findByName(name)) await this.finalizeGeneration(name);
+    });
+    const now = Date.now();
+    const due = this.catalog
+      .known()
+      .filter((pool) => !this.settled.has(pool.name) && now - pool.createdAt.getTime() > PENDING_GENERATION_MS);
+    for (const pool of due) {
+      if (now - pool.createdAt.getTime() > SETTLE_WINDOW_MS) {
+        this.settled.add(pool.name); // the startup rebuild finalized it, if it was stale then
+        continue;
+      }
+      if (!(await this.holds.markerPresent())) break; // the rebuild to come writes every key
+      const how = await this.holds.finalizeStale(pool.name, await this.generations.current());
+      if (how === 'young') continue;
+      this.settled.add(pool.name);
+      if (how === 'finalized') {
+        this.logger.warn(`pool "${pool.name}": its creator left its Redis generation pending; finalized`);
+        finalized++;
+      }
+    }
+    return finalized;
   }
 
   async list(): Promise<PoolDto[]> {

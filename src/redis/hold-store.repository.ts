@@ -843,6 +843,16 @@ export class HoldStore implements OnApplicationShutdown {
     return (await this.run<number>('set_generation', pool, generation, mode, keysRound, PENDING_GENERATION_MS)) === 1;
   }
 
+  /**
+   * Finalizes the pool's generation key if it is pending and older than PENDING_GENERATION_MS (its creator died or
+   * stalled): `finalized`; `young` if it is pending and younger; `settled` if it is not pending (final, or missing: a
+   * rebuild's to write).
+   */
+  async finalizeStale(pool: string, generation: number): Promise<'finalized' | 'young' | 'settled'> {
+    const reply = await this.run<number>('set_generation', pool, generation, 'finalizeStale', '', PENDING_GENERATION_MS);
+    return reply === 1 ? 'finalized' : reply === -1 ? 'young' : 'settled';
+  }
+
 
   /**
    * Marks the pool's Idempotency-Keys as being put back by this rebuild round, before the first one is: a wipe of

@@ -10,6 +10,7 @@ import { HoldStore, PENDING_GENERATION_MS } from '../../src/redis/hold-store.rep
 import { makeReservationId, poolKeys } from '../../src/redis/keys.js';
 import { PoolRepository } from '../../src/database/pool.repository.js';
 import { RebuildService } from '../../src/sweeper/rebuild.service.js';
+import { PoolCatalog } from '../../src/pools/pool-catalog.service.js';
 import { DomainError } from '../../src/common/errors.js';
 
 // Invariants 4, 5 and 6 under lost dependencies. This file runs its own redis-server, so it may
@@ -202,6 +203,42 @@ describe('recovery: Redis wiped or down, Postgres down, an instance gone', () =>
       return r.status === 201 && r;
     }, 5000);
     expect((await api.post(`/v1/reservations/${value.body.id}/confirm`, { resourceIds: [value.body.items[0].resourceId] })).status).toBe(200);
+  });
+
+  it('a pool whose insert committed but got no answer (503) is reservable within a second: the upkeep finalizes its key', async () => {
+    const pools = api.app.get(PoolRepository);
+    const insert = pools.insert.bind(pools);
+    const lost = vi.spyOn(pools, 'insert').mockImplementationOnce(async (row) => {
+      await insert(row);
+      throw DomainError.unavailable('postgres', new Error('Connection terminated unexpectedly'));
+    });
+    try {
+      expect((await api.post('/v1/pools', { name: 'answer-lost', kind: 'number' })).status).toBe(503);
+    } finally {
+      lost.mockRestore();
+    }
+    expect((await api.post('/v1/pools', { name: 'answer-lost', kind: 'number' })).body.error.code).toBe('POOL_EXISTS');
+    expect((await api.post('/v1/pools/answer-lost/resources', { items: [{ value: '1' }] })).status).toBe(201);
+    const started = Date.now();
+    await eventually(async () => (await api.post('/v1/pools/answer-lost/reservations', { owner: 'o' })).status === 201, 5000);
+    expect(Date.now() - started).toBeLessThan(2000);
+  });
+
+  it('the upkeep finalizes the generation key of a recent pool whose creator died before it did, with periodic rebuilds off', async () => {
+    await seedPool(api, 'creator-gone', numbers(1));
+    const client = redis.client();
+    try {
+      // Created 40 s ago, and its key left pending since: older than PENDING_GENERATION_MS.
+      await world.query(`UPDATE t_pool SET created_at = now() - interval '40 seconds' WHERE name = 'creator-gone'`);
+      await client.set(poolKeys(world.prefix, 'creator-gone').generation, `p${Date.now() - PENDING_GENERATION_MS - 10_000}`);
+      await api.app.get(PoolCatalog).all();
+      expect((await api.post('/v1/pools/creator-gone/reservations', { owner: 'o' })).status).toBe(409);
+      const [{ gen }] = await world.query(`SELECT gen::text AS gen FROM t_redis_generation`);
+      await eventually(async () => (await client.get(poolKeys(world.prefix, 'creator-gone').generation)) === gen, 3000);
+    } finally {
+      client.disconnect();
+    }
+    expect((await api.post('/v1/pools/creator-gone/reservations', { owner: 'o' })).status).toBe(201);
   });
 
   it("a rebuild finalizes a new pool's generation key its creator left pending (it died) once the key is stale, not before", async () => {

@@ -10,9 +10,11 @@
 --       generation: a missing key means Redis was wiped since; a pending key is left to its pool's creator, unless it
 --       is older than ARGV 5 ms: that creator died or stalled, and the rebuild finalizes it), "pending" (a new pool,
 --       before and after its insert: written if missing), "finalize" (a new pool: only over its pending key),
+--       "finalizeStale" (only over a pending key older than ARGV 5 ms: its creator died or stalled; -1 if younger),
 --       4 with "always", the rebuild round that put the pool's Idempotency-Keys back (<base>kr, see RebuildService):
 --       gone, Redis was wiped since, and with it the keys; the generation is not written, so that no reserve there
---       makes a second reservation for a key not back yet, 5 with "ifPresent", after how long a pending key is stale
+--       makes a second reservation for a key not back yet, 5 with "ifPresent" and "finalizeStale", after how long a
+--       pending key is stale
 -- Returns: 1 if the key now holds the generation (or is pending, for "pending", and for "ifPresent" while its creator
 --          may still finalize it), 0 if it was left as it was
 local base, generation, mode, keys_round = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4] or ''
@@ -25,6 +27,10 @@ if mode == 'pending' then
   return 1
 end
 if mode == 'finalize' and not pending_since then return 0 end
+if mode == 'finalizeStale' then
+  if not pending_since then return 0 end
+  if now_ms() - tonumber(pending_since) <= tonumber(ARGV[5]) then return -1 end
+end
 if mode == 'ifPresent' then
   if not current then return 0 end
   if pending_since and now_ms() - tonumber(pending_since) <= tonumber(ARGV[5]) then return 1 end
