@@ -239,6 +239,58 @@ describe('commits whose outcome the caller never saw', () => {
     }
   });
 
+  it('invariant 4 with Postgres down: after an extend that shortened the hold, the items not chosen are free within 2 s of the new expiry', async () => {
+    const quick = await world.start({ COMMIT_WINDOW_MS: '1000', RECONCILE_INTERVAL_MS: '0' });
+    try {
+      await seedPool(quick, 'pg-down-shorter', numbers(3, '1392000'));
+      const r = await quick.post('/v1/pools/pg-down-shorter/reservations', { owner: 'buyer', count: 3, ttlMs: 30_000 });
+      const [chosen, ...others] = r.body.items.map((i: { resourceId: string }) => i.resourceId);
+      const down = () => Promise.reject(DomainError.unavailable('postgres', new Error('Query read timeout')));
+      const allocate = vi.spyOn(quick.app.get(ResourceRepository), 'allocate').mockImplementation(down);
+      const decide = vi.spyOn(quick.app.get(ResourceRepository), 'decideAbort').mockImplementation(down);
+      const settle = vi.spyOn(quick.app.get(CommitService), 'recoverStalled').mockImplementation(down);
+      try {
+        const confirm = await quick.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [chosen] });
+        expect(confirm.body.error.details.outcome).toBe('unknown');
+        // Held again, its commit undecided: the buyer shortens the hold to 1 s.
+        const extended = await quick.post(`/v1/reservations/${r.body.id}/extend`, { ttlMs: 1000 });
+        expect(extended.status).toBe(200);
+        await sleep(Math.max(0, Date.parse(extended.body.expiresAt) - Date.now()) + 2000);
+        // The two items no commit chose come back with the shortened hold, not 30 s on; the chosen one waits for Postgres.
+        const next = await quick.post('/v1/pools/pg-down-shorter/reservations', { owner: 'next', count: 2 });
+        expect(next.status, JSON.stringify(next.body)).toBe(201);
+        expect(next.body.items.map((i: { resourceId: string }) => i.resourceId).sort()).toEqual([...others].sort());
+        expect((await quick.post('/v1/pools/pg-down-shorter/reservations', { owner: 'third', count: 1 })).status).toBe(409);
+      } finally {
+        allocate.mockRestore();
+        decide.mockRestore();
+        settle.mockRestore();
+      }
+    } finally {
+      await quick.close();
+    }
+  });
+
+  it('an extend that shortens the hold leaves the holds of every item an undecided epoch chose (two selections) pinned', async () => {
+    await seedPool(api, 'shorter-two-epochs', numbers(3, '1393000'));
+    const r = await api.post('/v1/pools/shorter-two-epochs/reservations', { owner: 'buyer', count: 3, ttlMs: 60_000 });
+    const [first, second, other] = r.body.items.map((i: { resourceId: string }) => i.resourceId);
+    const holds = api.app.get(HoldStore);
+    // Two confirms of other selections, each failing with its outcome unknown (may have landed): two undecided epochs.
+    for (const chosen of [first, second]) {
+      const pinned = await holds.pin('shorter-two-epochs', r.body.id, [chosen], 15_000);
+      expect(pinned).toMatchObject({ status: 'pinned', opened: true });
+      if (pinned.status === 'pinned') expect(await holds.unpin('shorter-two-epochs', pinned)).toBe(true);
+    }
+    expect((await api.post(`/v1/reservations/${r.body.id}/extend`, { ttlMs: 1000 })).status).toBe(200);
+    const client = api.app.get<Redis>(REDIS);
+    const keys = poolKeys(world.prefix, 'shorter-two-epochs');
+    const ttls = await Promise.all([first, second, other].map((id) => client.pttl(keys.hold(id))));
+    expect(ttls[0]).toBeGreaterThan(60_000);
+    expect(ttls[1]).toBeGreaterThan(60_000);
+    expect(ttls[2]).toBeLessThanOrEqual(1000 + api.config.HOLD_GRACE_MS);
+  });
+
   it('a confirm inside its hold whose commit outlasted its window (Postgres slow, the sweeper gave it up) commits in a new epoch: 200', async () => {
     const quick = await world.start({ COMMIT_WINDOW_MS: '1000', RECONCILE_INTERVAL_MS: '0' });
     try {

@@ -15,11 +15,23 @@ if r.s == 'confirming' then return { 'confirming' } end
 if r.s ~= 'held' then return { 'closed' } end
 -- Holds of a reservation that started a commit last until the sweeper settles it: never shortened. Unless Postgres
 -- has ended its last epoch ('ad', see abort and unpin): no commit can land on them, and they are plain holds again.
+-- Only the items a commit epoch not ended yet may allocate ('px', see pin) are pinned: the others' holds are plain,
+-- and end with the hold, shortened or not, so that at expiry the sweep frees them (invariant 4), Postgres down or not.
 local pinned = r.ep ~= false and redis.call('HGET', rkey, 'ad') ~= r.ep
+local kept
+if pinned then
+  local px = redis.call('HGET', rkey, 'px')
+  if px and px ~= '*' then
+    kept = {}
+    for id in string.gmatch(px, '[^,]+') do kept[id] = true end
+  end
+end
 for _, item in ipairs(decode_items(r.i)) do
   local hkey = base .. 'h:' .. item.id
   if redis.call('GET', hkey) ~= rid then return { 'expired' } end
-  if not pinned or tonumber(redis.call('PTTL', hkey)) < ttl + grace then redis.call('PEXPIRE', hkey, ttl + grace) end
+  if not pinned or (kept and not kept[item.id]) or tonumber(redis.call('PTTL', hkey)) < ttl + grace then
+    redis.call('PEXPIRE', hkey, ttl + grace)
+  end
 end
 r.e = tostring(now + ttl)
 redis.call('HSET', rkey, 'e', r.e)

@@ -79,8 +79,25 @@ local window_end = now + window
 if r.s == 'confirming' and tonumber(r.pw or 0) >= window_end then window_end = tonumber(r.pw) + 1 end
 r.s, r.sel, r.pw = 'confirming', selection, tostring(window_end)
 if opened then
+  -- 'px': every item a commit epoch not ended yet may allocate (the union of their selections), whose holds extend must
+  -- not shorten; the rest of the reservation's holds are plain ones. Starts again at this selection when every epoch
+  -- before is ended ('ad'); '*' (not known: an epoch opened by a version before 'px') keeps every hold from shortening.
+  local before = tostring(tonumber(r.ep) - 1)
+  local px = selection
+  if before ~= '0' and redis.call('HGET', rkey, 'ad') ~= before then
+    local old = redis.call('HGET', rkey, 'px')
+    if not old or old == '*' then
+      px = '*'
+    else
+      local seen, ids = {}, {}
+      for id in string.gmatch(old .. ',' .. selection, '[^,]+') do
+        if not seen[id] then seen[id], ids[#ids + 1] = true, id end
+      end
+      px = table.concat(ids, ',')
+    end
+  end
   redis.call('HSET', rkey, 's', r.s, 'sel', r.sel, 'pw', r.pw, 'ep', r.ep, 'pn', pin_number, 'eo', token, 'rt', reported_retaken,
-    'op', pin_number)
+    'op', pin_number, 'px', px)
 elseif resent then
   redis.call('HSET', rkey, 's', r.s, 'sel', r.sel, 'pw', r.pw)
 else

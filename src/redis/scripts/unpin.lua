@@ -88,6 +88,6 @@ if not restore then
   return 1
 end
 redis.call('HSET', rkey, 's', 'held')
-redis.call('HDEL', rkey, 'ep', 'sel', 'pw', 'ad', 'eo', 'rt', 'op')
+redis.call('HDEL', rkey, 'ep', 'sel', 'pw', 'ad', 'eo', 'rt', 'op', 'px')
 redis.call('ZADD', base .. 'exp', expires + grace, rid)
 return 1
