@@ -603,3 +603,58 @@ describe('reservations', () => {
     }
   });
 });
+
+// Between a reservation's expiresAt and the sweep that closes it (HOLD_GRACE_MS later, for a confirm that came in time
+// to reach Redis), the API calls it expired: its items must not count against its owner.
+describe('counters of a reservation past its expiresAt, before the sweep closes it', () => {
+  const world = new TestWorld('lapsed');
+  let api: TestInstance;
+
+  beforeAll(async () => {
+    // A grace of 1 s: the sweep closes a reservation 1 s after its expiresAt.
+    api = await world.start({ HOLD_GRACE_MS: '1000', SWEEP_INTERVAL_MS: '250' });
+  });
+  afterAll(() => world.cleanup());
+
+  /** Waits until `expiresAt` has passed by 50 ms, and checks that the API calls the reservation expired then. */
+  async function pastExpiry(path: string, expiresAt: string, extend: Record<string, unknown>): Promise<void> {
+    await sleep(Math.max(0, Date.parse(expiresAt) - Date.now()) + 50);
+    expect((await api.post(`${path}/${extend.call}`, extend.body)).body.error.code).toBe('HOLD_EXPIRED');
+  }
+
+  it("the owner's quota no longer counts it: a reserve is answered 201, not 429", async () => {
+    await seedPool(api, 'lapsed-quota', numbers(4), { maxHoldsPerOwner: 2 });
+    const first = await api.post('/v1/pools/lapsed-quota/reservations', { owner: 'o', count: 2, ttlMs: 1000 });
+    expect(first.status).toBe(201);
+    expect((await api.post('/v1/pools/lapsed-quota/reservations', { owner: 'o', count: 1 })).status).toBe(429);
+    await pastExpiry(`/v1/reservations/${first.body.id}`, first.body.expiresAt, { call: 'extend', body: { ttlMs: 60_000 } });
+    const again = await api.post('/v1/pools/lapsed-quota/reservations', { owner: 'o', count: 2 });
+    expect(again.status, JSON.stringify(again.body)).toBe(201);
+    // Counted once the sweep has closed the first: the owner holds 2, its quota.
+    await sleep(1500);
+    const over = await api.post('/v1/pools/lapsed-quota/reservations', { owner: 'o', count: 1 });
+    expect(over.body.error).toMatchObject({ code: 'OWNER_QUOTA_EXCEEDED', details: { held: 2 } });
+  });
+
+  it("a reviewer's lapsed lease no longer steers its next pull to that lease's group", async () => {
+    expect((await api.post('/v1/pools', { name: 'lapsed-groups', kind: 'task' })).status).toBe(201);
+    const tasks = (group: string, values: string[]) => ({ items: values.map((value) => ({ value, groupKey: group })) });
+    expect((await api.post('/v1/pools/lapsed-groups/resources', tasks('G', ['g-1', 'g-2']))).status).toBe(201);
+    // A lease in G (short), then one in H (long) taken while G has nothing free.
+    const inG = await api.post('/v1/pools/lapsed-groups/tasks/next', { reviewer: 'r', leaseMs: 1000 });
+    expect(inG.body.groupKey).toBe('G');
+    const other = await api.post('/v1/pools/lapsed-groups/tasks/next', { reviewer: 'someone', leaseMs: 60_000 });
+    expect(other.body.groupKey).toBe('G');
+    expect((await api.post('/v1/pools/lapsed-groups/resources', tasks('H', ['h-1', 'h-2', 'h-3']))).status).toBe(201);
+    const inH = await api.post('/v1/pools/lapsed-groups/tasks/next', { reviewer: 'r', leaseMs: 60_000 });
+    expect(inH.body.groupKey).toBe('H');
+    // The other G task comes free again; r's G lease lapses.
+    expect((await api.post(`/v1/tasks/${other.body.leaseId}/abandon`, {})).status).toBe(200);
+    await pastExpiry(`/v1/tasks/${inG.body.leaseId}`, inG.body.expiresAt, { call: 'heartbeat', body: {} });
+    // r leases in H alone now: its next task is from H, though G has a free one (and would come first were G counted).
+    for (let i = 0; i < 2; i++) {
+      const next = await api.post('/v1/pools/lapsed-groups/tasks/next', { reviewer: 'r', leaseMs: 60_000 });
+      expect(next.body.groupKey).toBe('H');
+    }
+  });
+});

@@ -62,9 +62,33 @@ if idem_key ~= '' then
   end
 end
 
+-- The owner's reservations past their expiresAt that the sweep has not closed yet (it looks HOLD_GRACE_MS later, to
+-- let a confirm that came in time reach Redis): the API calls them expired, so neither the quota nor a lease's group
+-- counts them. Looked for among the pool's due expiries (the first LAPSED_LOOKUPS), and only when the counters alone
+-- would refuse the quota or steer the pick. Not those with a commit undecided (still counted until it is settled).
+-- Returns how many items they count, and how many of those in each group.
+local LAPSED_LOOKUPS = 64
+local function lapsed()
+  local n, groups = 0, {}
+  for _, id in ipairs(redis.call('ZRANGEBYSCORE', base .. 'exp', '-inf', now + grace + 1, 'LIMIT', 0, LAPSED_LOOKUPS)) do
+    local f = redis.call('HMGET', base .. 'r:' .. id, 'o', 's', 'e', 'cnt', 'ep', 'ad', 'i', 'k')
+    if f[1] == owner and f[2] == 'held' and f[4] == '1' and tonumber(f[3]) <= now and (not f[5] or f[6] == f[5]) then
+      local _, counted = decode_items_safely(f[7])
+      for _, item in ipairs(counted or {}) do
+        n = n + 1
+        if f[8] == 'l' and has_group(item) then groups[item.g] = (groups[item.g] or 0) + 1 end
+      end
+    end
+  end
+  return n, groups
+end
+
 if max_holds > 0 then
   local held = tonumber(redis.call('HGET', base .. 'oh', owner) or '0')
-  if held + count > max_holds then return { 'quota', tostring(held) } end
+  if held + count > max_holds then
+    held = held - lapsed()
+    if held + count > max_holds then return { 'quota', tostring(held) } end
+  end
 end
 
 -- No generation key: Redis was wiped and this pool is not rebuilt yet (the rebuild writes the key
@@ -348,8 +372,14 @@ elseif prefix ~= '' then
   end
 else
   if affinity then
-    -- A reviewer gets a task from a group it already leases in before any other group.
-    local groups = redis.call('HKEYS', base .. 'og:' .. owner)
+    -- A reviewer gets a task from a group it already leases in before any other group (not one whose leases of it
+    -- have all lapsed, see lapsed).
+    local leased = redis.call('HGETALL', base .. 'og:' .. owner)
+    local groups, stale = {}, {}
+    if #leased > 0 then stale = select(2, lapsed()) end
+    for i = 1, #leased, 2 do
+      if tonumber(leased[i + 1]) > (stale[leased[i]] or 0) then groups[#groups + 1] = leased[i] end
+    end
     for _, g in ipairs(groups) do
       if #chosen >= count then break end
       local group = { key = base .. 'fg:' .. g, rem = 'SREM' }
