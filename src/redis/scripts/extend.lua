@@ -17,10 +17,14 @@ if r.s ~= 'held' then return { 'closed' } end
 -- has ended its last epoch ('ad', see abort and unpin): no commit can land on them, and they are plain holds again.
 -- Only the items a commit epoch not ended yet may allocate ('px', see pin) are pinned: the others' holds are plain,
 -- and end with the hold, shortened or not, so that at expiry the sweep frees them (invariant 4), Postgres down or not.
-local pinned = r.ep ~= false and redis.call('HGET', rkey, 'ad') ~= r.ep
+-- With no 'px', only the last epoch can be undecided (pin writes it otherwise; so did no version before it, whose
+-- records are taken as it when the epochs before the last are ended): its selection ('sel') is pinned.
+local ad = redis.call('HGET', rkey, 'ad')
+local pinned = r.ep ~= false and ad ~= r.ep
 local kept
 if pinned then
   local px = redis.call('HGET', rkey, 'px')
+  if not px and (r.ep == '1' or tonumber(ad) == tonumber(r.ep) - 1) then px = r.sel end
   if px and px ~= '*' then
     kept = {}
     for id in string.gmatch(px, '[^,]+') do kept[id] = true end

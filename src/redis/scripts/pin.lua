@@ -77,27 +77,30 @@ pin_number = pin_number or tostring((tonumber(r.pn) or 0) + 1)
 -- A pin of a confirming reservation never moves the window's end back (should the clock have gone back).
 local window_end = now + window
 if r.s == 'confirming' and tonumber(r.pw or 0) >= window_end then window_end = tonumber(r.pw) + 1 end
+local earlier_selection = r.sel
 r.s, r.sel, r.pw = 'confirming', selection, tostring(window_end)
 if opened then
+  redis.call('HSET', rkey, 's', r.s, 'sel', r.sel, 'pw', r.pw, 'ep', r.ep, 'pn', pin_number, 'eo', token, 'rt', reported_retaken,
+    'op', pin_number)
   -- 'px': every item a commit epoch not ended yet may allocate (the union of their selections), whose holds extend must
-  -- not shorten; the rest of the reservation's holds are plain ones. Starts again at this selection when every epoch
-  -- before is ended ('ad'); '*' (not known: an epoch opened by a version before 'px') keeps every hold from shortening.
-  local before = tostring(tonumber(r.ep) - 1)
-  local px = selection
-  if before ~= '0' and redis.call('HGET', rkey, 'ad') ~= before then
-    local old = redis.call('HGET', rkey, 'px')
-    if not old or old == '*' then
-      px = '*'
-    else
+  -- not shorten; the rest of the reservation's holds are plain ones. Not written while that is the selection ('sel') of
+  -- epoch 1, or of an epoch all those before which are ended ('ad'): extend then reads 'sel'. '*' (not known: epochs
+  -- opened by a version before 'px') keeps every hold from shortening.
+  local before = tonumber(r.ep) - 1
+  if before > 0 and tonumber(redis.call('HGET', rkey, 'ad')) ~= before then
+    local old = redis.call('HGET', rkey, 'px') or (before == 1 and earlier_selection) or '*'
+    local px = '*'
+    if old ~= '*' then
       local seen, ids = {}, {}
       for id in string.gmatch(old .. ',' .. selection, '[^,]+') do
         if not seen[id] then seen[id], ids[#ids + 1] = true, id end
       end
       px = table.concat(ids, ',')
     end
+    redis.call('HSET', rkey, 'px', px)
+  elseif before > 0 then
+    redis.call('HDEL', rkey, 'px')
   end
-  redis.call('HSET', rkey, 's', r.s, 'sel', r.sel, 'pw', r.pw, 'ep', r.ep, 'pn', pin_number, 'eo', token, 'rt', reported_retaken,
-    'op', pin_number, 'px', px)
 elseif resent then
   redis.call('HSET', rkey, 's', r.s, 'sel', r.sel, 'pw', r.pw)
 else

@@ -66,21 +66,26 @@ end
 -- let a confirm that came in time reach Redis): the API calls them expired, so neither the quota nor a lease's group
 -- counts them. Looked for among the pool's due expiries (the first LAPSED_LOOKUPS), and only when the counters alone
 -- would refuse the quota or steer the pick. Not those with a commit undecided (still counted until it is settled).
--- Returns how many items they count, and how many of those in each group.
-local LAPSED_LOOKUPS = 64
-local function lapsed()
-  local n, groups = 0, {}
-  for _, id in ipairs(redis.call('ZRANGEBYSCORE', base .. 'exp', '-inf', now + grace + 1, 'LIMIT', 0, LAPSED_LOOKUPS)) do
-    local f = redis.call('HMGET', base .. 'r:' .. id, 'o', 's', 'e', 'cnt', 'ep', 'ad', 'i', 'k')
-    if f[1] == owner and f[2] == 'held' and f[4] == '1' and tonumber(f[3]) <= now and (not f[5] or f[6] == f[5]) then
-      local _, counted = decode_items_safely(f[7])
-      for _, item in ipairs(counted or {}) do
-        n = n + 1
-        if f[8] == 'l' and has_group(item) then groups[item.g] = (groups[item.g] or 0) + 1 end
+-- Returns how many items they count, and how many of those in each group. (Made only for a reserve that may need it:
+-- a closure costs every call that makes it.)
+local LAPSED_LOOKUPS, lapsed = 64, nil
+if max_holds > 0 or affinity then
+  lapsed = function()
+    local n, groups = 0, {}
+    for _, id in ipairs(redis.call('ZRANGEBYSCORE', base .. 'exp', '-inf', now + grace + 1, 'LIMIT', 0, LAPSED_LOOKUPS)) do
+      local f = redis.call('HMGET', base .. 'r:' .. id, 'o', 's', 'e', 'cnt', 'ep', 'ad', 'i', 'k')
+      if f[1] == owner and f[2] == 'held' and f[4] == '1' and tonumber(f[3]) <= now and (not f[5] or f[6] == f[5]) then
+        -- As the sweep counts them (decode_items_safely, not named here: each helper a script names costs it a closure
+        -- on every call): every element of a list, in a group if it names one.
+        local ok, list = pcall(cjson.decode, f[7])
+        for _, item in ipairs(ok and type(list) == 'table' and list or {}) do
+          n = n + 1
+          if f[8] == 'l' and type(item) == 'table' and has_group(item) then groups[item.g] = (groups[item.g] or 0) + 1 end
+        end
       end
     end
+    return n, groups
   end
-  return n, groups
 end
 
 if max_holds > 0 then
