@@ -17,11 +17,8 @@ export const DEFAULT_HOLD_TTL_MS = 600_000;
 const MAX_UNINDEXED = 100_000;
 /** Pools whose generation key an instance keeps to finalize later (see finalizeLater); beyond it, a rebuild does. */
 const MAX_UNFINALIZED = 1000;
-/**
- * The upkeep looks for pending generation keys a dead creator left among the pools created this recently (see
- * finalizeLater); older ones were stale when this instance started, and its startup rebuild finalized them.
- */
-const SETTLE_WINDOW_MS = 10 * 60_000;
+/** Pools whose generation key the upkeep looks at in one pass, at most (see finalizeLater). */
+const SETTLE_BATCH = 200;
 /** Items of a pool reindexPending reads and indexes in one go. */
 const REINDEX_BATCH = 5000;
 export const DEFAULT_MAX_HOLD_TTL_MS = 3_600_000;
@@ -126,38 +123,48 @@ export class PoolsService {
     }
   }
 
-  /** Recent pools whose generation key this instance has seen final (or missing: a rebuild's to write). */
+  /** Pools whose generation key this instance has seen final. */
   private readonly settled = new Set<string>();
 
   /**
    * Run by the sweeper's upkeep. Finalizes the generation keys of pools this instance created, or may have, while
-   * Redis or Postgres failed (those whose row is there); and those of pools created in the last SETTLE_WINDOW_MS by an
-   * instance that died or stalled before it finalized them (pending for longer than PENDING_GENERATION_MS), which no
-   * rebuild would otherwise finalize with RECONCILE_INTERVAL_MS 0. Returns how many it finalized.
+   * Redis or Postgres failed (those whose row is there). Then looks once at the key of every pool it knows that is
+   * older than PENDING_GENERATION_MS, at most SETTLE_BATCH a pass, until it has seen it final: one its creator left
+   * pending (it died or stalled before it finalized it) is finalized, which no rebuild would do with
+   * RECONCILE_INTERVAL_MS 0. Returns how many it finalized, and how many keys it found missing with Redis rebuilt (a
+   * wipe whose rebuild listed the pools before the pool's row, its creator dead before its second write; or a wipe of
+   * part of Redis): the caller has a rebuild run, which takes that for a wipe (a new generation) and writes them.
    */
-  async finalizeLater(): Promise<number> {
+  async finalizeLater(): Promise<{ finalized: number; missing: number }> {
     let finalized = await this.unfinalized.retry(async (name) => {
       if (await this.pools.findByName(name)) await this.finalizeGeneration(name);
     });
+    let missing = 0;
     const now = Date.now();
     const due = this.catalog
       .known()
-      .filter((pool) => !this.settled.has(pool.name) && now - pool.createdAt.getTime() > PENDING_GENERATION_MS);
+      .filter((pool) => !this.settled.has(pool.name) && now - pool.createdAt.getTime() > PENDING_GENERATION_MS)
+      .slice(0, SETTLE_BATCH);
+    if (due.length === 0) return { finalized, missing };
+    // The generation read after the marker is seen (as a create reads it): the keys looked at were written before.
+    const state = await this.holds.rebuildState();
+    if (state === 'missing') return { finalized, missing }; // the rebuild to come writes every key
+    const generation = await this.generations.current();
     for (const pool of due) {
-      if (now - pool.createdAt.getTime() > SETTLE_WINDOW_MS) {
-        this.settled.add(pool.name); // the startup rebuild finalized it, if it was stale then
+      const how = await this.holds.finalizeStale(pool.name, generation);
+      if (how === 'young') continue;
+      // (Not while a rebuild runs: it writes each pool's key once its Idempotency-Keys are back.)
+      if (how === 'missing') {
+        if (state === 'rebuilt') missing++;
         continue;
       }
-      if (!(await this.holds.markerPresent())) break; // the rebuild to come writes every key
-      const how = await this.holds.finalizeStale(pool.name, await this.generations.current());
-      if (how === 'young') continue;
       this.settled.add(pool.name);
       if (how === 'finalized') {
         this.logger.warn(`pool "${pool.name}": its creator left its Redis generation pending; finalized`);
         finalized++;
       }
     }
-    return finalized;
+    return { finalized, missing };
   }
 
   async list(): Promise<PoolDto[]> {

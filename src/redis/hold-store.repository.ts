@@ -845,12 +845,11 @@ export class HoldStore implements OnApplicationShutdown {
 
   /**
    * Finalizes the pool's generation key if it is pending and older than PENDING_GENERATION_MS (its creator died or
-   * stalled): `finalized`; `young` if it is pending and younger; `settled` if it is not pending (final, or missing: a
-   * rebuild's to write).
+   * stalled): `finalized`; `young` if it is pending and younger; `final` if it holds a generation; `missing`.
    */
-  async finalizeStale(pool: string, generation: number): Promise<'finalized' | 'young' | 'settled'> {
+  async finalizeStale(pool: string, generation: number): Promise<'finalized' | 'young' | 'final' | 'missing'> {
     const reply = await this.run<number>('set_generation', pool, generation, 'finalizeStale', '', PENDING_GENERATION_MS);
-    return reply === 1 ? 'finalized' : reply === -1 ? 'young' : 'settled';
+    return reply === 1 ? 'finalized' : reply === -1 ? 'young' : reply === 2 ? 'missing' : 'final';
   }
 
 

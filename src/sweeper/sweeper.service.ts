@@ -38,6 +38,8 @@ export class SweeperService implements OnApplicationBootstrap, OnModuleDestroy {
   private lastRebuild = 0;
   private lastWipeCheck = 0;
   private lastCheckpoint = 0;
+  /** The upkeep found a pool without a Redis generation: the next rebuild check runs a rebuild (see finalizeLater). */
+  private rebuildRequested = false;
   /** Reservations whose commit window ran out, found by the sweep, for the upkeep to settle; by pool and id. */
   private readonly stalled = new Map<string, { pool: PoolEntity; rid: string }>();
   private readonly warned = new Set<string>();
@@ -160,8 +162,12 @@ export class SweeperService implements OnApplicationBootstrap, OnModuleDestroy {
       }
     }
     try {
-      const finalized = await this.pools.finalizeLater();
+      const { finalized, missing } = await this.pools.finalizeLater();
       if (finalized > 0) this.logger.log(`${finalized} new pools got their Redis generation after their creation could not write it`);
+      if (missing > 0) {
+        this.logger.warn(`${missing} pools have no Redis generation: a rebuild runs, as after a wipe`);
+        this.rebuildRequested = true;
+      }
     } catch (err) {
       this.warn('upkeep', 'writing the Redis generation of new pools', err);
     }
@@ -196,7 +202,10 @@ export class SweeperService implements OnApplicationBootstrap, OnModuleDestroy {
 
   private async rebuildIfNeeded(startup: boolean): Promise<void> {
     const now = Date.now();
-    const periodic = this.config.RECONCILE_INTERVAL_MS > 0 && now - this.lastRebuild > this.config.RECONCILE_INTERVAL_MS;
+    // (Or asked for by the upkeep, which found a pool without a generation: a periodic run takes that for a wipe.)
+    const periodic =
+      this.rebuildRequested || (this.config.RECONCILE_INTERVAL_MS > 0 && now - this.lastRebuild > this.config.RECONCILE_INTERVAL_MS);
+    this.rebuildRequested = false;
     if (!startup && !periodic && now - this.lastWipeCheck < WIPE_CHECK_MIN_GAP_MS) return;
     this.lastWipeCheck = now;
     const state = await this.holds.rebuildState();

@@ -10,7 +10,8 @@
 --       generation: a missing key means Redis was wiped since; a pending key is left to its pool's creator, unless it
 --       is older than ARGV 5 ms: that creator died or stalled, and the rebuild finalizes it), "pending" (a new pool,
 --       before and after its insert: written if missing), "finalize" (a new pool: only over its pending key),
---       "finalizeStale" (only over a pending key older than ARGV 5 ms: its creator died or stalled; -1 if younger),
+--       "finalizeStale" (only over a pending key older than ARGV 5 ms: its creator died or stalled; -1 if younger, 2 if
+--       there is no key),
 --       4 with "always", the rebuild round that put the pool's Idempotency-Keys back (<base>kr, see RebuildService):
 --       gone, Redis was wiped since, and with it the keys; the generation is not written, so that no reserve there
 --       makes a second reservation for a key not back yet, 5 with "ifPresent" and "finalizeStale", after how long a
@@ -28,6 +29,7 @@ if mode == 'pending' then
 end
 if mode == 'finalize' and not pending_since then return 0 end
 if mode == 'finalizeStale' then
+  if not current then return 2 end
   if not pending_since then return 0 end
   if now_ms() - tonumber(pending_since) <= tonumber(ARGV[5]) then return -1 end
 end
