@@ -72,7 +72,7 @@ async function whileBusy<T = HttpAnswer>(url: string, ms: number, request: () =>
   }
 }
 
-describe('a reserve that got no answer in time', () => {
+describe('a reserve, or a confirm\'s pin, that got no answer in time', () => {
   const world = new TestWorld('reservetimeout');
   let own: OwnRedis;
   let api: TestInstance;
@@ -279,25 +279,8 @@ describe('a reserve that got no answer in time', () => {
     expect(replay.body).toMatchObject({ id: first.body.id, state: 'held' });
     expect(await api.stats('keyed-other')).toEqual({ total: 2, free: 1, held: 1, allocated: 0 });
   });
-});
 
-describe('a confirm whose pin got no answer in time', () => {
-  const world = new TestWorld('pintimeout');
-  let own: OwnRedis;
-  let api: TestInstance;
-
-  beforeAll(async () => {
-    // A Redis of its own: these tests keep it busy.
-    own = await OwnRedis.start();
-    api = await world.start({ REDIS_URL: own.url, REDIS_TIMEOUT_MS: '200', RECONCILE_INTERVAL_MS: '0' });
-  });
-  afterAll(async () => {
-    try {
-      await world.cleanup();
-    } finally {
-      await own.stop();
-    }
-  });
+  // A confirm whose pin got no answer in time.
 
   /** A reservation of `count` items, made while Redis answers. */
   async function reserved(pool: string, count: number): Promise<{ id: string; items: { resourceId: string }[] }> {

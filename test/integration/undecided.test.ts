@@ -200,15 +200,23 @@ describe('commits whose outcome the caller never saw', () => {
     ]);
   });
 
-  it('invariant 4 with Postgres down: the items a confirm answered 503 did not choose are free within 2 s of the expiry', async () => {
+  /**
+   * A reservation of 3 items held for `ttlMs`, whose confirm of one is answered 503 with its outcome unknown while
+   * Postgres answers nothing: the commit (and its retry) time out, so it may have landed; neither ending its epoch nor
+   * the sweeper's settling of it gets an answer. (A commit that surely never reached Postgres changes nothing at all:
+   * recovery.test.ts.) `whileHeld` then returns the reservation's expiresAt (extend may move it). The two items the
+   * confirm did not choose must be free within 2 s of it; the chosen one waits for Postgres, and is free once it is back.
+   */
+  async function unchosenFreeWithPostgresDown(
+    pool: string,
+    ttlMs: number,
+    whileHeld: (instance: TestInstance, id: string, expiresAt: string) => Promise<string>,
+  ) {
     const quick = await world.start({ COMMIT_WINDOW_MS: '1000', RECONCILE_INTERVAL_MS: '0' });
     try {
-      await seedPool(quick, 'pg-down-flow', numbers(3, '1391000'));
-      const r = await quick.post('/v1/pools/pg-down-flow/reservations', { owner: 'buyer', count: 3, ttlMs: 1000 });
+      await seedPool(quick, pool, numbers(3, '1391000'));
+      const r = await quick.post(`/v1/pools/${pool}/reservations`, { owner: 'buyer', count: 3, ttlMs });
       const [chosen, ...others] = r.body.items.map((i: { resourceId: string }) => i.resourceId);
-      // Postgres stops answering: the commit (and its retry) time out, so it may have landed; neither ending its epoch
-      // nor the sweeper's settling of it gets an answer. (A commit that surely never reached Postgres changes nothing
-      // at all: recovery.test.ts.)
       const down = () => Promise.reject(DomainError.unavailable('postgres', new Error('Query read timeout')));
       const allocate = vi.spyOn(quick.app.get(ResourceRepository), 'allocate').mockImplementation(down);
       const decide = vi.spyOn(quick.app.get(ResourceRepository), 'decideAbort').mockImplementation(down);
@@ -217,58 +225,37 @@ describe('commits whose outcome the caller never saw', () => {
         const confirm = await quick.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [chosen] });
         expect(confirm.status).toBe(503);
         expect(confirm.body.error.details.outcome).toBe('unknown');
-        await sleep(Math.max(0, Date.parse(r.body.expiresAt) - Date.now()) + 2000);
-        // The chosen item waits for Postgres (its commit may have landed unseen); the two others need not.
-        const next = await quick.post('/v1/pools/pg-down-flow/reservations', { owner: 'next', count: 2 });
+        const expiresAt = await whileHeld(quick, r.body.id, r.body.expiresAt);
+        await sleep(Math.max(0, Date.parse(expiresAt) - Date.now()) + 2000);
+        const next = await quick.post(`/v1/pools/${pool}/reservations`, { owner: 'next', count: 2 });
         expect(next.status, JSON.stringify(next.body)).toBe(201);
         expect(next.body.items.map((i: { resourceId: string }) => i.resourceId).sort()).toEqual([...others].sort());
-        expect((await quick.post('/v1/pools/pg-down-flow/reservations', { owner: 'third', count: 1 })).status).toBe(409);
+        expect((await quick.post(`/v1/pools/${pool}/reservations`, { owner: 'third', count: 1 })).status).toBe(409);
       } finally {
         allocate.mockRestore();
         decide.mockRestore();
         settle.mockRestore();
       }
       // Postgres back: the sweeper settles the commit, which never landed, and the chosen item is free too.
-      await eventually(
-        async () => (await quick.post('/v1/pools/pg-down-flow/reservations', { owner: 'third', count: 1 })).status === 201,
-        5000,
-      );
+      await eventually(async () => (await quick.post(`/v1/pools/${pool}/reservations`, { owner: 'third', count: 1 })).status === 201, 5000);
     } finally {
       // Its sweeper runs every 100 ms: it must not sweep the pools of the tests after this one.
       await quick.close();
     }
+  }
+
+  it('invariant 4 with Postgres down: the items a confirm answered 503 did not choose are free within 2 s of the expiry', async () => {
+    await unchosenFreeWithPostgresDown('pg-down-flow', 1000, async (_, __, expiresAt) => expiresAt);
   });
 
   it('invariant 4 with Postgres down: after an extend that shortened the hold, the items not chosen are free within 2 s of the new expiry', async () => {
-    const quick = await world.start({ COMMIT_WINDOW_MS: '1000', RECONCILE_INTERVAL_MS: '0' });
-    try {
-      await seedPool(quick, 'pg-down-shorter', numbers(3, '1392000'));
-      const r = await quick.post('/v1/pools/pg-down-shorter/reservations', { owner: 'buyer', count: 3, ttlMs: 30_000 });
-      const [chosen, ...others] = r.body.items.map((i: { resourceId: string }) => i.resourceId);
-      const down = () => Promise.reject(DomainError.unavailable('postgres', new Error('Query read timeout')));
-      const allocate = vi.spyOn(quick.app.get(ResourceRepository), 'allocate').mockImplementation(down);
-      const decide = vi.spyOn(quick.app.get(ResourceRepository), 'decideAbort').mockImplementation(down);
-      const settle = vi.spyOn(quick.app.get(CommitService), 'recoverStalled').mockImplementation(down);
-      try {
-        const confirm = await quick.post(`/v1/reservations/${r.body.id}/confirm`, { resourceIds: [chosen] });
-        expect(confirm.body.error.details.outcome).toBe('unknown');
-        // Held again, its commit undecided: the buyer shortens the hold to 1 s.
-        const extended = await quick.post(`/v1/reservations/${r.body.id}/extend`, { ttlMs: 1000 });
-        expect(extended.status).toBe(200);
-        await sleep(Math.max(0, Date.parse(extended.body.expiresAt) - Date.now()) + 2000);
-        // The two items no commit chose come back with the shortened hold, not 30 s on; the chosen one waits for Postgres.
-        const next = await quick.post('/v1/pools/pg-down-shorter/reservations', { owner: 'next', count: 2 });
-        expect(next.status, JSON.stringify(next.body)).toBe(201);
-        expect(next.body.items.map((i: { resourceId: string }) => i.resourceId).sort()).toEqual([...others].sort());
-        expect((await quick.post('/v1/pools/pg-down-shorter/reservations', { owner: 'third', count: 1 })).status).toBe(409);
-      } finally {
-        allocate.mockRestore();
-        decide.mockRestore();
-        settle.mockRestore();
-      }
-    } finally {
-      await quick.close();
-    }
+    await unchosenFreeWithPostgresDown('pg-down-shorter', 30_000, async (instance, id) => {
+      // Held again, its commit undecided: the buyer shortens the hold to 1 s. Its two other items come back with the
+      // shortened hold, not 30 s on.
+      const extended = await instance.post(`/v1/reservations/${id}/extend`, { ttlMs: 1000 });
+      expect(extended.status).toBe(200);
+      return extended.body.expiresAt as string;
+    });
   });
 
   it('an extend that shortens the hold leaves the holds of every item an undecided epoch chose (two selections) pinned', async () => {
