@@ -136,8 +136,11 @@ export class PoolsService {
    * part of Redis): the caller has a rebuild run, which takes that for a wipe (a new generation) and writes them.
    */
   async finalizeLater(): Promise<{ finalized: number; missing: number }> {
-    let finalized = await this.unfinalized.retry(async (name) => {
-      if (await this.pools.findByName(name)) await this.finalizeGeneration(name);
+    let finalized = 0;
+    await this.unfinalized.retry(async (name) => {
+      if (!(await this.pools.findByName(name))) return; // its insert did not land
+      await this.finalizeGeneration(name);
+      finalized++;
     });
     let missing = 0;
     const now = Date.now();
