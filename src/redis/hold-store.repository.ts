@@ -852,7 +852,6 @@ export class HoldStore implements OnApplicationShutdown {
     return reply === 1 ? 'finalized' : reply === -1 ? 'young' : reply === 2 ? 'missing' : 'final';
   }
 
-
   /**
    * Marks the pool's Idempotency-Keys as being put back by this rebuild round, before the first one is: a wipe of
    * Redis before setGeneration takes the mark with the keys, and the generation is then not written. The mark has no
