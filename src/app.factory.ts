@@ -8,6 +8,7 @@ import type { IncomingMessage } from 'node:http';
 import type { Redis } from 'ioredis';
 import { AppModule } from './app.module.js';
 import { API_KEY_SCHEME, RouteRoles, authorize, parseApiKeys } from './common/auth.js';
+import { installBodyParsers } from './common/body-parsers.js';
 import { createValidationPipe, hasOwnKey, linkableBody, linkRequestParts } from './common/validation.js';
 import { addValidationLimits } from './common/openapi-limits.js';
 import { addTransportResponses } from './common/api-errors.decorator.js';
@@ -103,8 +104,8 @@ export async function createApp(config: AppConfig, options: { logger?: boolean }
   const app = await NestFactory.create<NestFastifyApplication>(AppModule.forRoot(config), adapter, {
     logger: options.logger === false ? false : new PinoLoggerService(log),
     abortOnError: false,
-    // Fastify's own parsers only: JSON (and text/plain, which no DTO takes). Nest's defaults add form
-    // bodies, which a cross-site HTML form can send without a CORS check; API.md takes JSON alone.
+    // JSON only (installBodyParsers, below). Nest's defaults add form bodies, which a cross-site HTML form can send
+    // without a CORS check; API.md takes JSON alone.
     bodyParser: false,
   });
   try {
@@ -129,6 +130,7 @@ export async function createApp(config: AppConfig, options: { logger?: boolean }
   const apiKeys = config.API_KEYS === '' ? undefined : parseApiKeys(config.API_KEYS).keys;
 
   const fastify = app.getHttpAdapter().getInstance();
+  installBodyParsers(fastify);
   const metrics = app.get(MetricsService);
   fastify.decorateRequest('receivedAtMs', 0);
   fastify.decorateRequest('actingFor', null);
@@ -171,6 +173,9 @@ export async function createApp(config: AppConfig, options: { logger?: boolean }
     else if (limiter !== undefined && !req.url.startsWith('/health') && !req.url.startsWith('/metrics') && !limiter.take(req.ip)) {
       refused = DomainError.rateLimited(config.RATE_LIMIT_PER_SECOND);
     }
+    // A path no route serves (or a method it does not take) is answered before its body is read: a body that is not JSON
+    // was answered 400, and the same request without one 404.
+    else if (req.is404) refused = new DomainError(ErrorCode.ROUTE_NOT_FOUND, 'no such route');
     // The key is checked before the body is read: a caller without one learns nothing and costs little.
     else if (apiKeys !== undefined) {
       const caller = authorize(apiKeys, req.routeOptions.config as RouteRoles, headers);

@@ -1,4 +1,5 @@
 import { STATUS_CODES } from 'node:http';
+import { BODY_CHARSET, BODY_NOT_UTF8 } from './body-parsers.js';
 import { DomainError, ErrorBody, ErrorCode, HTTP_STATUS, errorBody } from './errors.js';
 
 export interface MappedError {
@@ -33,6 +34,9 @@ const FASTIFY_CODES: Record<string, { code: ErrorCode; field: string; reason?: s
     reason:
       'the body is not valid JSON, or has a key named "__proto__", or a key "constructor" holding a key "prototype", which are refused',
   },
+  // The body parsers' own (src/common/body-parsers.ts): their messages say what is wrong.
+  [BODY_NOT_UTF8]: { code: ErrorCode.VALIDATION_FAILED, field: 'body' },
+  [BODY_CHARSET]: { code: ErrorCode.VALIDATION_FAILED, field: 'body' },
   FST_ERR_BAD_URL: {
     code: ErrorCode.VALIDATION_FAILED,
     field: 'path',

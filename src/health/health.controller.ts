@@ -11,7 +11,11 @@ const CHECKS = (what: string) => ({
   additionalProperties: {
     type: 'object',
     description: "The check's result",
-    properties: { status: { type: 'string', enum: ['up', 'down'], description: 'up: it answered in time; down: it did not' } },
+    properties: {
+      status: { type: 'string', enum: ['up', 'down'], description: 'up: it answered in time; down: it did not' },
+      responseTime: { type: 'integer', description: 'How long the check took, in milliseconds' },
+      message: { type: 'string', description: 'Why the check is down (a check that is up has none)' },
+    },
     additionalProperties: true,
   },
 });

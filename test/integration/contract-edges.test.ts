@@ -1,3 +1,4 @@
+import { request as httpRequest } from 'node:http';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { MAX_BODY_NODES } from '../../src/common/validation.js';
 import { TestInstance, TestWorld, numbers, seedPool } from '../support/harness.js';
@@ -251,6 +252,109 @@ describe('API.md edges', () => {
     expect(answer.status).toBe(200);
     expect(answer.body.state).toBe('released');
     expect((await api.get('/v1/pools/del-ct')).body.stats).toEqual({ total: 2, free: 2, held: 0, allocated: 0 });
+  });
+
+  /** A request whose body is sent as these bytes, as they are. */
+  const rawPost = async (path: string, bytes: Buffer, contentType: string) => {
+    const res = await fetch(`${api.url}${path}`, { method: 'POST', headers: { 'content-type': contentType }, body: new Uint8Array(bytes) });
+    return {
+      status: res.status,
+      body: (await res.json()) as { error: { code: string; details: { fields: { field: string; reason: string }[] } } },
+    };
+  };
+
+  it('a body that is not valid UTF-8 is 400 VALIDATION_FAILED naming the body and changes nothing (two values that differed only there were stored as one, the second counted a duplicate)', async () => {
+    await seedPool(api, 'utf8-only', numbers(1));
+    const body = Buffer.concat([
+      Buffer.from('{"items":[{"value":"inv-'),
+      Buffer.from([0xff]),
+      Buffer.from('"},{"value":"inv-'),
+      Buffer.from([0xfe]),
+      Buffer.from('"}]}'),
+    ]);
+    for (const contentType of ['application/json', 'application/json; charset=utf-8']) {
+      const answer = await rawPost('/v1/pools/utf8-only/resources', body, contentType);
+      expect(answer.status).toBe(400);
+      expect(answer.body.error.code).toBe('VALIDATION_FAILED');
+      expect(answer.body.error.details.fields).toEqual([{ field: 'body', reason: 'the body is not valid UTF-8' }]);
+    }
+    expect(await api.stats('utf8-only')).toEqual({ total: 1, free: 1, held: 0, allocated: 0 });
+    // The same values in UTF-8 are two items.
+    const good = await rawPost(
+      '/v1/pools/utf8-only/resources',
+      Buffer.from('{"items":[{"value":"inv-\u00ff"},{"value":"inv-þ"}]}'),
+      'application/json; charset=UTF-8',
+    );
+    expect(good.status).toBe(201);
+    expect(good.body).toEqual({ inserted: 2, duplicates: 0 });
+  });
+
+  it('a JSON body declared in a charset other than UTF-8 is 400 VALIDATION_FAILED naming the body and holds nothing (it was read as UTF-8: "Jos\\xE9" and "Jos\\xE8" became one owner)', async () => {
+    await seedPool(api, 'latin1', numbers(2));
+    const body = Buffer.concat([Buffer.from('{"owner":"Jos'), Buffer.from([0xe9]), Buffer.from('"}')]);
+    for (const contentType of [
+      'application/json; charset=iso-8859-1',
+      'application/json;charset="latin1"',
+      'application/json; charset=utf-16',
+    ]) {
+      const answer = await rawPost('/v1/pools/latin1/reservations', body, contentType);
+      expect(answer.status).toBe(400);
+      expect(answer.body.error.code).toBe('VALIDATION_FAILED');
+      expect(answer.body.error.details.fields).toEqual([{ field: 'body', reason: expect.stringContaining('must be JSON in UTF-8') }]);
+    }
+    expect(await api.stats('latin1')).toEqual({ total: 2, free: 2, held: 0, allocated: 0 });
+  });
+
+  /** A request sent with `Transfer-Encoding: chunked` and the given chunks (none: an empty body). */
+  const chunked = (method: string, path: string, chunks: string[], headers: Record<string, string> = {}) =>
+    new Promise<{ status: number; body: { state?: string; error?: { code: string } } }>((resolve, reject) => {
+      const req = httpRequest(`${api.url}${path}`, { method, headers: { 'transfer-encoding': 'chunked', ...headers } }, (res) => {
+        let text = '';
+        res.setEncoding('utf8').on('data', (d: string) => (text += d));
+        res.on('end', () => resolve({ status: res.statusCode ?? 0, body: JSON.parse(text) }));
+      });
+      req.on('error', reject);
+      for (const chunk of chunks) req.write(chunk);
+      req.end();
+    });
+
+  it('a chunked request whose body is empty is one without a body, with or without a Content-Type (DELETE released nothing and answered 400); one with a body and no Content-Type is still refused', async () => {
+    await seedPool(api, 'chunked-empty', numbers(4));
+    const types: Record<string, string>[] = [{ 'content-type': 'application/json' }, {}, { 'content-type': 'text/plain' }];
+    for (const headers of types) {
+      const r = await api.post('/v1/pools/chunked-empty/reservations', { owner: 'u', count: 1 });
+      expect(r.status).toBe(201);
+      const answer = await chunked('DELETE', `/v1/reservations/${r.body.id}`, [], headers);
+      expect(answer.status).toBe(200);
+      expect(answer.body.state).toBe('released');
+    }
+    const r = await api.post('/v1/pools/chunked-empty/reservations', { owner: 'u', count: 1 });
+    const refusedTypes: Record<string, string>[] = [
+      {},
+      { 'content-type': 'text/plain' },
+      { 'content-type': 'application/x-www-form-urlencoded' },
+    ];
+    for (const headers of refusedTypes) {
+      const refused = await chunked('DELETE', `/v1/reservations/${r.body.id}`, ['a=1'], headers);
+      expect(refused.status).toBe(400);
+      expect(refused.body.error?.code).toBe('VALIDATION_FAILED');
+    }
+    expect(await api.stats('chunked-empty')).toEqual({ total: 4, free: 3, held: 1, allocated: 0 });
+    expect((await api.get(`/v1/reservations/${r.body.id}`)).body.state).toBe('held');
+  });
+
+  it('a path no route serves (or a method it does not take) is 404 ROUTE_NOT_FOUND whatever its body (a body that was not JSON made it 400)', async () => {
+    for (const [method, path] of [
+      ['POST', '/v1/nothing'],
+      ['PUT', '/v1/pools'],
+      ['POST', '/health/live'],
+    ]) {
+      for (const body of ['{', '{"a":1}', undefined]) {
+        const answer = await api.request(method, path, body);
+        expect(answer.status, `${method} ${path} ${body}`).toBe(404);
+        expect(answer.body.error.code).toBe('ROUTE_NOT_FOUND');
+      }
+    }
   });
 
   it("extend with a ttlMs above 7 days is capped by the pool's maxHoldTtlMs (200), not refused", async () => {

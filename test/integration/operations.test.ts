@@ -21,6 +21,14 @@ describe('operations: health, metrics, OpenAPI, request ids', () => {
     const ready = await api.get('/health/ready');
     expect(ready.status).toBe(200);
     expect(ready.body.info).toMatchObject({ postgres: { status: 'up' }, redis: { status: 'up' } });
+    // Every field of each check's result is one the OpenAPI document describes (responseTime was not).
+    const doc = (await api.get('/docs-json')).body;
+    const check =
+      doc.paths['/health/ready'].get.responses['200'].content['application/json'].schema.properties.details.additionalProperties;
+    for (const dependency of ['postgres', 'redis']) {
+      for (const field of Object.keys(ready.body.details[dependency]))
+        expect(check.properties, `${dependency}.${field}`).toHaveProperty([field]);
+    }
   });
 
   it('exports Prometheus metrics: latency by route, reservations by outcome, pool gauges, conflicts, expiries', async () => {
