@@ -1,3 +1,5 @@
+import { monotonicMs } from './clock.js';
+
 /** Token bucket per client key, in process memory: each instance limits what it serves. */
 export class RateLimiter {
   private readonly buckets = new Map<string, { tokens: number; at: number }>();
@@ -6,7 +8,7 @@ export class RateLimiter {
   constructor(
     private readonly perSecond: number,
     private readonly burst: number,
-    private readonly clock: () => number = Date.now,
+    private readonly clock: () => number = monotonicMs,
   ) {}
 
   take(key: string): boolean {

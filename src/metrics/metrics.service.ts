@@ -2,6 +2,7 @@ import { Injectable } from '@nestjs/common';
 import { Counter, Gauge, Histogram, Registry, collectDefaultMetrics } from 'prom-client';
 import { PoolRepository } from '../database/pool.repository.js';
 import { HoldStore } from '../redis/hold-store.repository.js';
+import { monotonicMs } from '../common/clock.js';
 
 /** How old the pool counts of a scrape may be. */
 const POOL_ITEMS_MAX_AGE_MS = 5000;
@@ -130,7 +131,7 @@ export class MetricsService {
    * counting a pool of millions of rows takes a second, and a scrape is not worth more.
    */
   private readPoolItems(): Promise<PoolItems[]> {
-    const now = Date.now();
+    const now = monotonicMs();
     if (this.poolItems && now - this.poolItems.at < POOL_ITEMS_MAX_AGE_MS) return this.poolItems.counts;
     const counts = (async () => {
       const items: PoolItems[] = [];

@@ -6,7 +6,7 @@ import { PoolRepository } from '../database/pool.repository.js';
 import { NewResource, ResourceRepository, ResourceRow } from '../database/resource.repository.js';
 import { isAllocationTombstone } from '../redis/keys.js';
 import { isStringRecord } from '../common/validators.js';
-import { CachedItem, HoldStore, PENDING_GENERATION_MS, toCachedItem } from '../redis/hold-store.repository.js';
+import { CachedItem, HoldStore, toCachedItem } from '../redis/hold-store.repository.js';
 import { CommitService } from '../reservations/commit.service.js';
 import { PoolCatalog } from './pool-catalog.service.js';
 import { Later } from '../common/later.js';
@@ -128,9 +128,9 @@ export class PoolsService {
 
   /**
    * Run by the sweeper's upkeep. Finalizes the generation keys of pools this instance created, or may have, while
-   * Redis or Postgres failed (those whose row is there). Then looks once at the key of every pool it knows that is
-   * older than PENDING_GENERATION_MS, at most SETTLE_BATCH a pass, until it has seen it final: one its creator left
-   * pending (it died or stalled before it finalized it) is finalized, which no rebuild would do with
+   * Redis or Postgres failed (those whose row is there). Then looks at the key of every pool it knows, at most
+   * SETTLE_BATCH a pass, until it has seen it final: one its creator left pending for PENDING_GENERATION_MS (it died
+   * or stalled before it finalized it) is finalized, which no rebuild would do with
    * RECONCILE_INTERVAL_MS 0. Returns how many it finalized, and how many keys it found missing with Redis rebuilt (a
    * wipe whose rebuild listed the pools before the pool's row, its creator dead before its second write; or a wipe of
    * part of Redis): the caller has a rebuild run, which takes that for a wipe (a new generation) and writes them.
@@ -143,10 +143,11 @@ export class PoolsService {
       finalized++;
     });
     let missing = 0;
-    const now = Date.now();
+    // Young ones too: their age is judged by the key's own stamp, on Redis' clock (finalizeStale). Judged here by the
+    // row's createdAt, Postgres' clock, against this instance's, one whose clock was behind waited that much longer.
     const due = this.catalog
       .known()
-      .filter((pool) => !this.settled.has(pool.name) && now - pool.createdAt.getTime() > PENDING_GENERATION_MS)
+      .filter((pool) => !this.settled.has(pool.name))
       .slice(0, SETTLE_BATCH);
     if (due.length === 0) return { finalized, missing };
     // The generation read after the marker is seen (as a create reads it): the keys looked at were written before.

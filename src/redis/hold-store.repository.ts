@@ -9,6 +9,7 @@ import { Later } from '../common/later.js';
 import { loadScript } from './lua-prelude.js';
 import { checkpointKey, freeMember, legacyAttributeSets, markerKey, poolBase, poolKeys, poolKeysOf, rebuildRunKey } from './keys.js';
 import { REDIS, REDIS_TIMEOUT_MESSAGE, evictionPolicyOf, evictionRefusal, redisNowMs, warnEachError, withTimeout } from './redis.client.js';
+import { monotonicMs } from '../common/clock.js';
 
 /**
  * An item as Redis caches it: the JSON stored in the item hash, in reservations and in imports. The
@@ -390,7 +391,7 @@ export class HoldStore implements OnApplicationShutdown {
 
   /** The check a request waits for, until one resolves true on the current connection (see checkOnConnect). */
   private connectChecked(): Promise<void> | null {
-    if (this.connectCheck === null || this.checkedConnects === this.connects || Date.now() < this.uncheckedUntil) return null;
+    if (this.connectCheck === null || this.checkedConnects === this.connects || monotonicMs() < this.uncheckedUntil) return null;
     const connects = this.connects;
     this.connectChecking ??= this.connectCheck()
       .then((checked) => {
@@ -400,7 +401,7 @@ export class HoldStore implements OnApplicationShutdown {
         } else if (this.connects === connects) {
           // (Not if the connection changed meanwhile: the new one waits for a check of its own.) Longer each time in a
           // row: a Postgres that hangs does not hold every reserve up once a second.
-          this.uncheckedUntil = Date.now() + Math.min(CONNECT_RECHECK_MS * 2 ** this.uncheckedInARow, CONNECT_RECHECK_MAX_MS);
+          this.uncheckedUntil = monotonicMs() + Math.min(CONNECT_RECHECK_MS * 2 ** this.uncheckedInARow, CONNECT_RECHECK_MAX_MS);
           this.uncheckedInARow++;
         }
       })
@@ -583,7 +584,9 @@ export class HoldStore implements OnApplicationShutdown {
       // it is undone (unpin.lua, by its token), as a reserve that got no answer is (see reserve), so that the
       // reservation is not left confirming, refusing its extend and release, until its commit window ends.
       if (err instanceof DomainError && err.code === ErrorCode.DEPENDENCY_UNAVAILABLE && !neverSent(err)) {
-        await this.undoPin(pool, reservationId, token).catch(() => this.later(`p:${reservationId}:${token}`, { pool, reservationId, token }));
+        await this.undoPin(pool, reservationId, token).catch(() =>
+          this.later(`p:${reservationId}:${token}`, { pool, reservationId, token }),
+        );
       }
       throw err;
     }
@@ -705,7 +708,9 @@ export class HoldStore implements OnApplicationShutdown {
   /** Sends the undos that could not be sent (undoLater) again; run by the sweeper's upkeep. Returns how many went. */
   retryUndos(): Promise<number> {
     return this.undos.retry((undo) =>
-      'token' in undo ? this.undoPin(undo.pool, undo.reservationId, undo.token) : this.undoReserve(undo.pool, undo.reservationId, undo.idempotencyKey),
+      'token' in undo
+        ? this.undoPin(undo.pool, undo.reservationId, undo.token)
+        : this.undoReserve(undo.pool, undo.reservationId, undo.idempotencyKey),
     );
   }
 
@@ -723,7 +728,15 @@ export class HoldStore implements OnApplicationShutdown {
   }
 
   async sweep(pool: string, batch: number, recheckMs: number, workBudget: number): Promise<SweepResult> {
-    const reply = await this.run<(number | string)[]>('sweep', pool, batch, this.retentionMs, recheckMs, workBudget, this.config.HOLD_GRACE_MS);
+    const reply = await this.run<(number | string)[]>(
+      'sweep',
+      pool,
+      batch,
+      this.retentionMs,
+      recheckMs,
+      workBudget,
+      this.config.HOLD_GRACE_MS,
+    );
     return {
       expiredReservations: Number(reply[0]),
       freedItems: Number(reply[1]),

@@ -20,6 +20,7 @@ import { makeReservationId, poolOfReservationId } from '../redis/keys.js';
 import { CommitService, isLeaseCommit, notFound } from './commit.service.js';
 import { ConfirmResultDto, CreateReservationDto, ReservationDto } from './reservation.dto.js';
 import { committedReservationDto, toConfirmResult, toReservationDto } from './reservation.view.js';
+import { monotonicMs } from '../common/clock.js';
 
 /** An Idempotency-Key: 1-255 visible ASCII characters. */
 export const IDEMPOTENCY_KEY = /^[\x21-\x7e]{1,255}$/;
@@ -220,7 +221,7 @@ export class ReservationsService implements OnModuleDestroy {
       valuePrefix: dto.filter?.valuePrefix,
       groupAffinity: false,
     };
-    const deadline = Date.now() + (dto.waitMs ?? 0);
+    const deadline = monotonicMs() + (dto.waitMs ?? 0);
     let result = await this.reserveOrWait(pool.name, request, dto.waitMs ?? 0, gone);
     while (result.status === 'landed') {
       // The key names a reservation whose record Redis lost: a rebuild put the key back from its commit in Postgres.
@@ -230,7 +231,7 @@ export class ReservationsService implements OnModuleDestroy {
         return { created: false, reservation: committedReservationDto(pool.name, result.reservationId, committed) };
       }
       // Neither Redis nor Postgres has it: the key is taken for a new reservation, as if it had expired.
-      const waitMs = dto.waitMs ? Math.max(0, deadline - Date.now()) : 0;
+      const waitMs = dto.waitMs ? Math.max(0, deadline - monotonicMs()) : 0;
       result = await this.reserveOrWait(pool.name, { ...request, forgotten: result.reservationId }, waitMs, gone);
     }
     this.metrics.reservations.inc({ pool: pool.name, outcome: result.status });
@@ -306,7 +307,7 @@ export class ReservationsService implements OnModuleDestroy {
       result = await this.tryFor(pool, waiter, gone);
       if (result.status !== 'exhausted' || result.limited) return result;
       if (this.waiting >= most) throw tooMany();
-      const deadline = Date.now() + waitMs;
+      const deadline = monotonicMs() + waitMs;
       this.waiting++;
       this.metrics.waitingReserves.inc();
       const filter = { valuePrefix: waiter.valuePrefix, attributes: waiter.attributes };
@@ -323,13 +324,13 @@ export class ReservationsService implements OnModuleDestroy {
       };
       let stopWaiting = (): void => undefined;
       let head = false;
-      let triedAt = Date.now();
+      let triedAt = monotonicMs();
       try {
         stopWaiting = this.startWaiting(pool, me);
         const longest = () => (line === '' && this.wakeUps.live(pool) ? WAIT_LINELESS_PAUSE_MS : WAIT_MAX_PAUSE_MS);
         for (let pause = WAIT_FIRST_PAUSE_MS; ; pause = Math.min(2 * pause, longest())) {
           if (this.stopping) throw DomainError.shuttingDown();
-          const left = deadline - Date.now();
+          const left = deadline - monotonicMs();
           if (left <= 0 || gone?.aborted) return result;
           me.first = result.status === 'exhausted' && result.inLine === 0;
           const first = me.first && !this.wakeUps.live(pool);
@@ -344,11 +345,11 @@ export class ReservationsService implements OnModuleDestroy {
             throw DomainError.shuttingDown();
           }
           // Woken at every free (items taken by others, or kept for waiters ahead), it still tries at most so often.
-          const early = Math.min(triedAt + WAKE_MIN_GAP_MS, deadline) - Date.now();
+          const early = Math.min(triedAt + WAKE_MIN_GAP_MS, deadline) - monotonicMs();
           if (early > 0) await new Promise((resolve) => setTimeout(resolve, early));
           if (this.stopping) throw DomainError.shuttingDown();
           if (gone?.aborted) return result;
-          triedAt = Date.now();
+          triedAt = monotonicMs();
           me.tried = ++this.tries;
           me.roused = false;
           result = await this.tryFor(pool, waiter, gone);

@@ -10,6 +10,7 @@ import { PoolCatalog } from '../pools/pool-catalog.service.js';
 import { isStringRecord } from '../common/validators.js';
 import { DomainError, ErrorCode } from '../common/errors.js';
 import { HoldStore, REBUILDING, RedisCheckpoint, toCachedItem, unfinishedRound } from '../redis/hold-store.repository.js';
+import { monotonicMs } from '../common/clock.js';
 
 const JOB = 'rebuild';
 const LEASE_MS = 30_000;
@@ -74,8 +75,8 @@ export class RebuildService {
     const lease = await this.mutex.acquire(JOB, this.instanceId, LEASE_MS);
     if (lease === null) return null;
     this.lease = lease;
-    this.lastRenewal = Date.now();
-    const started = Date.now();
+    this.lastRenewal = monotonicMs();
+    const started = monotonicMs();
     try {
       // Seen wiped before the job was ours: another instance may have rebuilt since. Bumping the
       // generation again would fence the holds taken on its rebuild.
@@ -170,13 +171,13 @@ export class RebuildService {
       this.metrics.keysRestored.inc(keys);
       if (added > 0 || reason !== 'periodic') {
         const putBack = keys > 0 ? `, ${keys} Idempotency-Keys of confirmed reservations put back` : '';
-        this.logger.log(`rebuild (${reason}): ${added} free items re-indexed${putBack} in ${Date.now() - started} ms`);
+        this.logger.log(`rebuild (${reason}): ${added} free items re-indexed${putBack} in ${Math.round(monotonicMs() - started)} ms`);
       }
       return added;
     } catch (err) {
       if (!(err instanceof LeaseLost)) throw err;
       this.logger.warn(
-        `rebuild (${reason}) stopped after ${Date.now() - started} ms: its lease ran out while this instance stalled, ` +
+        `rebuild (${reason}) stopped after ${Math.round(monotonicMs() - started)} ms: its lease ran out while this instance stalled, ` +
           'and another instance took the job',
       );
       return null;
@@ -261,8 +262,8 @@ export class RebuildService {
    * `now`. Throws LeaseLost if the job changed hands since this instance took it.
    */
   private async renewLease(now = false): Promise<void> {
-    if (!now && Date.now() - this.lastRenewal < LEASE_MS / 6) return;
-    this.lastRenewal = Date.now();
+    if (!now && monotonicMs() - this.lastRenewal < LEASE_MS / 6) return;
+    this.lastRenewal = monotonicMs();
     this.keep(await this.mutex.renew(JOB, this.instanceId, this.lease));
   }
 
@@ -270,7 +271,7 @@ export class RebuildService {
   private keep(renewed: string | null): void {
     if (renewed === null) throw new LeaseLost();
     this.lease = renewed;
-    this.lastRenewal = Date.now();
+    this.lastRenewal = monotonicMs();
   }
 
   /**

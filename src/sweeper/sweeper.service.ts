@@ -9,6 +9,7 @@ import { HoldStore } from '../redis/hold-store.repository.js';
 import { CommitService } from '../reservations/commit.service.js';
 import { RebuildService } from './rebuild.service.js';
 import { MAX_BATCHES_PER_TICK, SWEEP_BATCH, SWEEP_CONCURRENCY, SWEEP_WORK_BUDGET } from './sweep-limits.js';
+import { monotonicMs } from '../common/clock.js';
 
 type Loop = 'sweep' | 'upkeep' | 'rebuild';
 
@@ -178,7 +179,7 @@ export class SweeperService implements OnApplicationBootstrap, OnModuleDestroy {
       this.warn('upkeep', 'indexing free items left out of Redis', err);
     }
     try {
-      const now = Date.now();
+      const now = monotonicMs();
       if (now - this.lastPoolRefresh > POOL_LIST_REFRESH_MS) {
         await this.catalog.all();
         this.lastPoolRefresh = now;
@@ -201,7 +202,7 @@ export class SweeperService implements OnApplicationBootstrap, OnModuleDestroy {
   }
 
   private async rebuildIfNeeded(startup: boolean): Promise<void> {
-    const now = Date.now();
+    const now = monotonicMs();
     // (Or asked for by the upkeep, which found a pool without a generation: a periodic run takes that for a wipe.)
     const periodic =
       this.rebuildRequested || (this.config.RECONCILE_INTERVAL_MS > 0 && now - this.lastRebuild > this.config.RECONCILE_INTERVAL_MS);

@@ -46,28 +46,28 @@ describe('recovery: Redis wiped or down, Postgres down, an instance gone', () =>
 
   /**
    * Runs `test` with an instance whose Postgres connections go through a proxy it can cut or slow down, and stops
-   * both after it. With `keys`, the instance has Redis keys of its own: the file's other instance, whose Postgres
-   * answers, must not sweep or settle its work.
+   * both after it. With `own`, the instance has a world of its own (a database and Redis keys): the file's other
+   * instance, whose Postgres answers, must neither settle its work nor take its pools, whose generation keys it does
+   * not see, for pools Redis lost (a rebuild in a new generation, which would fence its holds).
    */
   async function behindPostgresProxy(
     env: Record<string, string>,
-    keys: string | undefined,
-    test: (services: { proxy: TcpProxy; viaProxy: TestInstance }) => Promise<void>,
+    own: string | undefined,
+    test: (services: { proxy: TcpProxy; viaProxy: TestInstance; world: TestWorld }) => Promise<void>,
   ): Promise<void> {
     const proxy = await TcpProxy.start(5432);
+    const home = own === undefined ? world : new TestWorld(`recovery_${own}`, { REDIS_URL: redis.url });
     try {
-      const viaProxy = await world.start({
-        DATABASE_URL: `postgres://postgres@127.0.0.1:${proxy.port}/${world.dbName}`,
-        ...(keys && { REDIS_KEY_PREFIX: `${world.prefix}${keys}:` }),
-        ...env,
-      });
+      // (The database is created and migrated through the proxy, which is open.)
+      const viaProxy = await home.start({ DATABASE_URL: `postgres://postgres@127.0.0.1:${proxy.port}/${home.dbName}`, ...env });
       try {
-        await test({ proxy, viaProxy });
+        await test({ proxy, viaProxy, world: home });
       } finally {
         await viaProxy.close();
       }
     } finally {
       await proxy.cut();
+      if (home !== world) await home.cleanup();
     }
   }
 
@@ -202,7 +202,9 @@ describe('recovery: Redis wiped or down, Postgres down, an instance gone', () =>
       const r = await api.post('/v1/pools/finalized-later/reservations', { owner: 'o' });
       return r.status === 201 && r;
     }, 5000);
-    expect((await api.post(`/v1/reservations/${value.body.id}/confirm`, { resourceIds: [value.body.items[0].resourceId] })).status).toBe(200);
+    expect((await api.post(`/v1/reservations/${value.body.id}/confirm`, { resourceIds: [value.body.items[0].resourceId] })).status).toBe(
+      200,
+    );
   });
 
   it('a pool whose insert committed but got no answer (503) is reservable within a second: the upkeep finalizes its key', async () => {
@@ -224,20 +226,27 @@ describe('recovery: Redis wiped or down, Postgres down, an instance gone', () =>
     expect(Date.now() - started).toBeLessThan(2000);
   });
 
-  it('the upkeep finalizes the generation key of a recent pool whose creator died before it did, with periodic rebuilds off', async () => {
-    await seedPool(api, 'creator-gone', numbers(1));
+  it("the upkeep finalizes the generation key of a pool whose creator died before it did, with periodic rebuilds off, judging its age by Redis' clock (an instance whose clock was 60 s behind Postgres' waited 60 s more)", async () => {
     const client = redis.client();
+    const key = poolKeys(world.prefix, 'creator-gone').generation;
     try {
-      // Created 20 minutes ago (Redis unreachable for this instance's upkeep since, say), and its key left pending.
-      await world.query(`UPDATE t_pool SET created_at = now() - interval '20 minutes' WHERE name = 'creator-gone'`);
-      await client.set(poolKeys(world.prefix, 'creator-gone').generation, `p${Date.now() - PENDING_GENERATION_MS - 10_000}`);
+      // As its creator left it, dead after its insert: the key pending since 40 s ago on Redis' clock (the row's
+      // created_at is Postgres' now()), then this instance's clock steps to 60 s behind theirs.
+      const [seconds] = await client.time();
+      await client.set(key, `p${Number(seconds) * 1000 - PENDING_GENERATION_MS - 10_000}`);
+      await world.query(`INSERT INTO t_pool (name, kind, hold_ttl_ms, max_hold_ttl_ms) VALUES ('creator-gone', 'number', 600000, 3600000)`);
+      const wall = Date.now.bind(Date);
+      vi.spyOn(Date, 'now').mockImplementation(() => wall() - 60_000);
       await api.app.get(PoolCatalog).all();
-      expect((await api.post('/v1/pools/creator-gone/reservations', { owner: 'o' })).status).toBe(409);
       const [{ gen }] = await world.query(`SELECT gen::text AS gen FROM t_redis_generation`);
-      await eventually(async () => (await client.get(poolKeys(world.prefix, 'creator-gone').generation)) === gen, 3000);
+      const started = performance.now();
+      while ((await client.get(key)) !== gen && performance.now() - started < 3000) await sleep(50);
+      expect(await client.get(key)).toBe(gen);
     } finally {
+      vi.restoreAllMocks();
       client.disconnect();
     }
+    expect((await api.post('/v1/pools/creator-gone/resources', { items: [{ value: '1' }] })).status).toBe(201);
     expect((await api.post('/v1/pools/creator-gone/reservations', { owner: 'o' })).status).toBe(201);
   });
 
@@ -579,7 +588,7 @@ describe('recovery: Redis wiped or down, Postgres down, an instance gone', () =>
     });
   });
 
-  it('invariant 6: with Postgres unreachable, a task complete answers 503 and allocates nothing; the lease stays its reviewer\'s, and completes once Postgres is back', async () => {
+  it("invariant 6: with Postgres unreachable, a task complete answers 503 and allocates nothing; the lease stays its reviewer's, and completes once Postgres is back", async () => {
     await behindPostgresProxy({ DB_TIMEOUT_MS: '1000' }, undefined, async ({ proxy, viaProxy }) => {
       await seedPool(viaProxy, 'pg-down-tasks', ['task-1'], { kind: 'task' });
       const lease = await viaProxy.post('/v1/pools/pg-down-tasks/tasks/next', { reviewer: 'r-1', leaseMs: 60_000 });
@@ -601,7 +610,7 @@ describe('recovery: Redis wiped or down, Postgres down, an instance gone', () =>
   });
 
   it('invariant 6: a confirm answered 503 while Postgres is unreachable changes nothing: not retried, all the items come back at expiry', async () => {
-    await behindPostgresProxy({ DB_TIMEOUT_MS: '1000', RECONCILE_INTERVAL_MS: '0' }, 'unsent', async ({ proxy, viaProxy }) => {
+    await behindPostgresProxy({ DB_TIMEOUT_MS: '1000', RECONCILE_INTERVAL_MS: '0' }, 'unsent', async ({ proxy, viaProxy, world }) => {
       await seedPool(viaProxy, 'unsent', numbers(3));
       const r = await viaProxy.post('/v1/pools/unsent/reservations', { owner: 'payer', count: 3, ttlMs: 3000 });
       expect(r.status).toBe(201);
@@ -632,7 +641,7 @@ describe('recovery: Redis wiped or down, Postgres down, an instance gone', () =>
   });
 
   it('invariant 6: after a confirm answered 503 with Postgres unreachable, a retry commits even if Postgres ended the epoch meanwhile', async () => {
-    await behindPostgresProxy({ DB_TIMEOUT_MS: '1000', RECONCILE_INTERVAL_MS: '0' }, 'retried', async ({ proxy, viaProxy }) => {
+    await behindPostgresProxy({ DB_TIMEOUT_MS: '1000', RECONCILE_INTERVAL_MS: '0' }, 'retried', async ({ proxy, viaProxy, world }) => {
       await seedPool(viaProxy, 'retried', numbers(2));
       const r = await viaProxy.post('/v1/pools/retried/reservations', { owner: 'payer', count: 2, ttlMs: 60_000 });
       const body = { resourceIds: [r.body.items[1].resourceId] };
@@ -657,7 +666,7 @@ describe('recovery: Redis wiped or down, Postgres down, an instance gone', () =>
   });
 
   it('invariant 6: a late confirm answered 503 while Postgres is unreachable leaves the items its expired hold had in the pool', async () => {
-    await behindPostgresProxy({ DB_TIMEOUT_MS: '1000', RECONCILE_INTERVAL_MS: '0' }, 'late', async ({ proxy, viaProxy }) => {
+    await behindPostgresProxy({ DB_TIMEOUT_MS: '1000', RECONCILE_INTERVAL_MS: '0' }, 'late', async ({ proxy, viaProxy, world }) => {
       await seedPool(viaProxy, 'late-503', numbers(1));
       const r = await viaProxy.post('/v1/pools/late-503/reservations', { owner: 'buyer', count: 1, ttlMs: 1000 });
       expect(r.status).toBe(201);
@@ -688,7 +697,7 @@ describe('recovery: Redis wiped or down, Postgres down, an instance gone', () =>
     await behindPostgresProxy(
       { DB_TIMEOUT_MS: '1000', COMMIT_WINDOW_MS: '12000', RECONCILE_INTERVAL_MS: '0' },
       'stalled',
-      async ({ proxy, viaProxy }) => {
+      async ({ proxy, viaProxy, world }) => {
         await seedPool(viaProxy, 'stalled', numbers(1));
         const r = await viaProxy.post('/v1/pools/stalled/reservations', { owner: 'buyer', count: 1, ttlMs: 1000 });
         const item = r.body.items[0].resourceId as string;

@@ -1,5 +1,5 @@
 import { ValidationError } from 'class-validator';
-import { describe, expect, it } from 'vitest';
+import { describe, expect, it, vi } from 'vitest';
 import { RateLimiter } from '../../src/common/rate-limiter.js';
 import { bodyHash, stableStringify } from '../../src/common/stable-json.js';
 import { flattenValidationErrors } from '../../src/common/validation.js';
@@ -109,5 +109,19 @@ describe('RateLimiter', () => {
     now = 500;
     expect(limiter.take('a')).toBe(true);
     expect(limiter.take('a')).toBe(false);
+  });
+
+  it('by default counts time on a clock the wall clock does not move: a step back of 30 s refused every client with a bucket for 30 s', () => {
+    const wall = Date.now.bind(Date);
+    let step = 0;
+    const stepped = vi.spyOn(Date, 'now').mockImplementation(() => wall() + step);
+    try {
+      const limiter = new RateLimiter(20, 40);
+      expect(limiter.take('a')).toBe(true);
+      step = -30_000;
+      expect(limiter.take('a')).toBe(true);
+    } finally {
+      stepped.mockRestore();
+    }
   });
 });
