@@ -69,7 +69,10 @@ export function buildOpenApi(app: NestFastifyApplication) {
  * error mapping, metrics, docs. `listen` is left to the caller.
  */
 export async function createApp(config: AppConfig, options: { logger?: boolean } = {}): Promise<NestFastifyApplication> {
-  await runMigrations(config);
+  const log = createPino(config.LOG_LEVEL);
+  const quiet = options.logger === false;
+  const applied = await runMigrations(config, (message) => quiet || log.warn({ context: 'Migrations' }, `postgres: ${message}`));
+  if (applied.length > 0 && !quiet) log.info({ context: 'Migrations', applied }, `applied migrations: ${applied.join(', ')}`);
   const adapter = new FastifyAdapter({
     // The request id of the request's log lines; echoed in x-request-id.
     genReqId: requestId,
@@ -98,11 +101,10 @@ export async function createApp(config: AppConfig, options: { logger?: boolean }
       socket.destroy(err);
     },
   });
-  const log = createPino(config.LOG_LEVEL);
   const expiryWarning = expiryBudgetWarning(config);
-  if (expiryWarning && options.logger !== false) log.warn(expiryWarning);
+  if (expiryWarning && !quiet) log.warn(expiryWarning);
   const app = await NestFactory.create<NestFastifyApplication>(AppModule.forRoot(config), adapter, {
-    logger: options.logger === false ? false : new PinoLoggerService(log),
+    logger: quiet ? false : new PinoLoggerService(log),
     abortOnError: false,
     // JSON only (installBodyParsers, below). Nest's defaults add form bodies, which a cross-site HTML form can send
     // without a CORS check; API.md takes JSON alone.
@@ -214,7 +216,7 @@ export async function createApp(config: AppConfig, options: { logger?: boolean }
     linkRequestParts(req.params, req.body, pending ?? undefined);
     done();
   });
-  const logRequests = config.LOG_REQUESTS === 'true' && options.logger !== false;
+  const logRequests = config.LOG_REQUESTS === 'true' && !quiet;
   fastify.addHook('onResponse', async (req: FastifyRequest, reply: FastifyReply) => {
     // Answered before its body arrived whole (refused in onRequest, or a GET whose body Fastify ignores): the
     // connection is closed, so that no 408 is written after this answer once REQUEST_TIMEOUT_MS passes, which a

@@ -1,7 +1,7 @@
 import { realpathSync } from 'node:fs';
 import { fileURLToPath } from 'node:url';
 import pg from 'pg';
-import { DataSource, DataSourceOptions } from 'typeorm';
+import { DataSource, DataSourceOptions, Logger } from 'typeorm';
 import { AppConfig, loadConfig } from '../config/app-config.js';
 import { dataSourceOptions } from './data-source.js';
 import { isPostgresOutage, refused, sqlStateOf, unreachable } from '../common/dependency-errors.js';
@@ -60,12 +60,13 @@ export async function ensureDatabase(databaseUrl: string, timeoutMs = 5000): Pro
 
 /**
  * Applies pending migrations under a Postgres advisory lock, so instances that start together
- * run them once. Returns the names of the migrations applied.
+ * run them once. Returns the names of the migrations applied. What Postgres says while they run (a migration's
+ * RAISE WARNING about rows it had to leave as they were) goes to `notice`.
  */
-export async function runMigrations(config: AppConfig): Promise<string[]> {
+export async function runMigrations(config: AppConfig, notice: (message: string) => void = () => undefined): Promise<string[]> {
   await ensureDatabase(config.DATABASE_URL, config.DB_TIMEOUT_MS);
   try {
-    return await migrate(config);
+    return await migrate(config, notice);
   } catch (err) {
     // A statement Postgres refused (a user that may not create tables, say) or an outage midway: one line
     // that says where, not a driver's stack. Anything else (a bug in a migration) keeps its stack.
@@ -83,7 +84,20 @@ export async function runMigrations(config: AppConfig): Promise<string[]> {
   }
 }
 
-async function migrate(config: AppConfig): Promise<string[]> {
+/** TypeORM's logger of a migration run: only what Postgres says (notices, which logNotifications passes to `log`). */
+function noticesTo(notice: (message: string) => void): Logger {
+  const ignore = () => undefined;
+  return {
+    log: (_level, message) => notice(String(message)),
+    logQuery: ignore,
+    logQueryError: ignore,
+    logQuerySlow: ignore,
+    logSchemaBuild: ignore,
+    logMigration: ignore,
+  };
+}
+
+async function migrate(config: AppConfig, notice: (message: string) => void): Promise<string[]> {
   const lock = new pg.Client({ connectionString: config.DATABASE_URL, connectionTimeoutMillis: config.DB_TIMEOUT_MS });
   await lock.connect();
   try {
@@ -92,7 +106,7 @@ async function migrate(config: AppConfig): Promise<string[]> {
     // takes longer than a request may.
     const options = dataSourceOptions(config);
     const extra = { ...('extra' in options ? options.extra : {}), statement_timeout: 0, query_timeout: undefined };
-    const ds = new DataSource({ ...options, extra } as DataSourceOptions);
+    const ds = new DataSource({ ...options, extra, logNotifications: true, logger: noticesTo(notice) } as DataSourceOptions);
     await ds.initialize();
     try {
       const applied = await ds.runMigrations({ transaction: 'each' });
@@ -111,7 +125,7 @@ async function migrate(config: AppConfig): Promise<string[]> {
 if (process.argv[1] !== undefined && fileURLToPath(import.meta.url) === realpathOrSelf(process.argv[1])) {
   // A bad setting is one line (its message lists every bad variable), as at the service's start, not a stack.
   Promise.resolve()
-    .then(() => runMigrations(loadConfig(process.env)))
+    .then(() => runMigrations(loadConfig(process.env), (message) => console.warn(`postgres: ${message}`)))
     .then((applied) => {
       console.log(applied.length ? `applied: ${applied.join(', ')}` : 'no pending migrations');
     })
