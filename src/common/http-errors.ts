@@ -114,9 +114,16 @@ export function mapError(err: unknown): MappedError {
     // Terminus' readiness check: keep its per-dependency report.
     const report =
       typeof (e as { getResponse?: () => unknown }).getResponse === 'function' ? (e as { getResponse: () => unknown }).getResponse() : {};
+    const failed = Object.keys((report as { error?: Record<string, unknown> } | null)?.error ?? {}).sort();
     return {
       status,
-      body: errorBody(ErrorCode.DEPENDENCY_UNAVAILABLE, 'a dependency is unavailable', { report }),
+      body: errorBody(
+        ErrorCode.DEPENDENCY_UNAVAILABLE,
+        failed.length > 0 ? `unavailable: ${failed.join(', ')}` : 'a dependency is unavailable',
+        {
+          report,
+        },
+      ),
       internal: false,
     };
   }

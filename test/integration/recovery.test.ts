@@ -1,3 +1,4 @@
+import { Logger } from '@nestjs/common';
 import { randomUUID } from 'node:crypto';
 import { afterAll, beforeAll, describe, expect, it, onTestFinished, vi } from 'vitest';
 import { createApp } from '../../src/app.factory.js';
@@ -519,6 +520,7 @@ describe('recovery: Redis wiped or down, Postgres down, an instance gone', () =>
     await seedPool(api, 'redis-down-tasks', ['task-1', 'task-2'], { kind: 'task' });
     const lease = await api.post('/v1/pools/redis-down-tasks/tasks/next', { reviewer: 'r-1' });
     expect(lease.status).toBe(200);
+    const warned = vi.spyOn(Logger.prototype, 'warn');
     await redis.stop();
     try {
       for (const [path, body] of [
@@ -545,12 +547,18 @@ describe('recovery: Redis wiped or down, Postgres down, an instance gone', () =>
       const created = await api.post('/v1/pools', { name: 'born-while-down', kind: 'number' });
       expect(created.status).toBe(503);
       expect(await world.query(`SELECT name FROM t_pool WHERE name = 'born-while-down'`)).toEqual([]);
-      expect((await api.get('/health/ready')).status).toBe(503);
+      const ready = await api.get('/health/ready');
+      expect([ready.status, ready.body.error.message]).toEqual([503, 'unavailable: redis']);
+      // Ten answers 503 for Redis, one line in the log (a line each flooded it during an outage).
+      const lines = warned.mock.calls.filter(([line]) => (line as { dependency?: unknown } | null)?.dependency === 'redis');
+      expect(lines).toHaveLength(1);
+      expect(lines[0][0]).toMatchObject({ msg: expect.stringContaining('redis is unavailable; nothing was changed') });
       const rows = await world.query(
         `SELECT count(*)::int AS n, count(*) FILTER (WHERE state = 2)::int AS allocated FROM t_resource r JOIN t_pool p ON p.id = r.pool_id WHERE p.name = 'redis-down'`,
       );
       expect(rows[0]).toEqual({ n: 3, allocated: 0 });
     } finally {
+      warned.mockRestore();
       await redis.start();
     }
     // Back up (empty, like a restart without persistence): rebuilt from Postgres by itself.
