@@ -6,6 +6,22 @@ import { monotonicMs } from '../common/clock.js';
 
 /** How old the pool counts of a scrape may be. */
 const POOL_ITEMS_MAX_AGE_MS = 5000;
+/**
+ * How long a scrape waits for the pool counts at most: while Postgres hangs, it waited DB_TIMEOUT_MS (5 s) every time,
+ * and a scrape timeout at or below that lost every series just when they matter. The read goes on; a scrape that
+ * comes after it ended (within POOL_ITEMS_MAX_AGE_MS) gets its counts.
+ */
+export const POOL_ITEMS_WAIT_MS = 1000;
+
+/** The counts, or a failure once POOL_ITEMS_WAIT_MS has passed without them (a scrape that finds the read under way waits afresh). */
+function waitedFor<T>(counts: Promise<T>): Promise<T> {
+  let timer: NodeJS.Timeout | undefined;
+  const late = new Promise<never>((_resolve, reject) => {
+    timer = setTimeout(() => reject(new Error(`the pool counts took longer than ${POOL_ITEMS_WAIT_MS} ms`)), POOL_ITEMS_WAIT_MS);
+    timer.unref();
+  });
+  return Promise.race([counts, late]).finally(() => clearTimeout(timer));
+}
 
 interface PoolItems {
   name: string;
@@ -132,7 +148,7 @@ export class MetricsService {
    */
   private readPoolItems(): Promise<PoolItems[]> {
     const now = monotonicMs();
-    if (this.poolItems && now - this.poolItems.at < POOL_ITEMS_MAX_AGE_MS) return this.poolItems.counts;
+    if (this.poolItems && now - this.poolItems.at < POOL_ITEMS_MAX_AGE_MS) return waitedFor(this.poolItems.counts);
     const counts = (async () => {
       const items: PoolItems[] = [];
       for (const p of await this.pools.allCounts()) {
@@ -141,12 +157,12 @@ export class MetricsService {
       }
       return items;
     })();
-    this.poolItems = { at: now, counts };
     // A failure is not kept: the next scrape reads again.
     counts.catch(() => {
       if (this.poolItems?.counts === counts) this.poolItems = undefined;
     });
-    return counts;
+    this.poolItems = { at: now, counts };
+    return waitedFor(counts);
   }
 
   async render(): Promise<{ contentType: string; body: string }> {

@@ -3,9 +3,10 @@ import { connect } from 'node:net';
 import { afterAll, beforeAll, describe, expect, it, onTestFinished, vi } from 'vitest';
 import { SHUTDOWN_DRAIN_MS, closeGracefully } from '../../src/app.factory.js';
 import { DomainError } from '../../src/common/errors.js';
+import { POOL_ITEMS_WAIT_MS } from '../../src/metrics/metrics.service.js';
 import { PoolRepository } from '../../src/database/pool.repository.js';
 import { HoldStore } from '../../src/redis/hold-store.repository.js';
-import { TestInstance, TestWorld, numbers, seedPool, sleep } from '../support/harness.js';
+import { TestInstance, TestWorld, eventually, numbers, seedPool, sleep } from '../support/harness.js';
 
 describe('operations: health, metrics, OpenAPI, request ids', () => {
   const world = new TestWorld('operations');
@@ -53,6 +54,28 @@ describe('operations: health, metrics, OpenAPI, request ids', () => {
     expect(text).toContain('respool_pool_items_stale 0');
   });
 
+  it('counts a request whose client went away before its answer, status 499 (it was in no series: the failures of an outage went unseen)', async () => {
+    await seedPool(api, 'gone', numbers(1));
+    expect((await api.post('/v1/pools/gone/reservations', { owner: 'a' })).status).toBe(201);
+    const count = async () =>
+      Number(
+        /respool_http_request_duration_seconds_count\{method="POST",route="\/v1\/pools\/:pool\/reservations",status="499"\} (\d+)/.exec(
+          (await api.get('/metrics')).body as string,
+        )?.[1] ?? 0,
+      );
+    const before = await count();
+    // A reserve that waits for an item none will free; its client gives up after 300 ms.
+    await expect(
+      fetch(`${api.url}/v1/pools/gone/reservations`, {
+        method: 'POST',
+        headers: { 'content-type': 'application/json' },
+        body: JSON.stringify({ owner: 'b', waitMs: 5000 }),
+        signal: AbortSignal.timeout(300),
+      }),
+    ).rejects.toThrow();
+    await eventually(async () => (await count()) === before + 1, 3000);
+  });
+
   it('keeps serving metrics while the pool counts cannot be read, with the last counts marked stale', async () => {
     const own = await world.start();
     await seedPool(own, 'counted', numbers(2));
@@ -68,7 +91,23 @@ describe('operations: health, metrics, OpenAPI, request ids', () => {
     } finally {
       down.mockRestore();
     }
-    // Read again at the next scrape (a failure is not reused).
+    // Postgres hangs (answers nothing): the scrape does not wait for DB_TIMEOUT_MS (5 s) but POOL_ITEMS_WAIT_MS.
+    const repository = own.app.get(PoolRepository);
+    const real = await repository.allCounts();
+    let answer: (counts: typeof real) => void = () => undefined;
+    const hung = vi.spyOn(repository, 'allCounts').mockReturnValue(new Promise((resolve) => (answer = resolve)));
+    try {
+      const started = performance.now();
+      const metrics = await own.get('/metrics');
+      expect(performance.now() - started).toBeLessThan(POOL_ITEMS_WAIT_MS + 1500);
+      expect(metrics.status).toBe(200);
+      expect(metrics.body).toContain('respool_pool_items_stale 1');
+      expect(metrics.body).toContain('respool_pool_items{pool="counted",state="free"} 2');
+    } finally {
+      hung.mockRestore();
+      answer(real);
+    }
+    // The read that went on is the next scrape's (a failure is not reused).
     expect((await own.get('/metrics')).body).toContain('respool_pool_items_stale 0');
     await own.close();
   });
