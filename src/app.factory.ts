@@ -16,7 +16,7 @@ import { createPino, PinoLoggerService } from './common/logger.js';
 import { DomainError, ErrorCode, FieldError } from './common/errors.js';
 import { MAX_PARAM_LENGTH, clientErrorResponse, mapError } from './common/http-errors.js';
 import { RateLimiter } from './common/rate-limiter.js';
-import { AppConfig, expiryBudgetWarning } from './config/app-config.js';
+import { AppConfig, expiryBudgetWarning, trustProxyOption } from './config/app-config.js';
 import { runMigrations } from './database/migrate.js';
 import { unreachable } from './common/dependency-errors.js';
 import { MetricsService } from './metrics/metrics.service.js';
@@ -76,6 +76,8 @@ export async function createApp(config: AppConfig, options: { logger?: boolean }
   const adapter = new FastifyAdapter({
     // The request id of the request's log lines; echoed in x-request-id.
     genReqId: requestId,
+    // Whose X-Forwarded-For is believed: the client's address (req.ip) the rate limit counts by.
+    trustProxy: trustProxyOption(config.TRUST_PROXY),
     bodyLimit: config.BODY_LIMIT_BYTES,
     // A request that arrives too slowly is answered 408 (clientErrorHandler) and its connection closed: Fastify's
     // default (0) would let a body that stalls hold its connection for ever. Node checks every second, not every 30.
@@ -168,7 +170,12 @@ export async function createApp(config: AppConfig, options: { logger?: boolean }
     metrics.httpDuration.observe({ method: req.method, route: req.routeOptions.url ?? 'unmatched', status: '499' }, seconds);
     if (logRequests) {
       log.info(
-        { reqId: req.id, req: { method: req.method, url: req.url }, res: { statusCode: 499 }, responseTime: seconds * 1000 },
+        {
+          reqId: req.id,
+          req: { method: req.method, url: req.url, remoteAddress: req.ip },
+          res: { statusCode: 499 },
+          responseTime: seconds * 1000,
+        },
         'request abandoned: the client went away before its answer',
       );
     }
@@ -248,7 +255,7 @@ export async function createApp(config: AppConfig, options: { logger?: boolean }
       log.info(
         {
           reqId: req.id,
-          req: { method: req.method, url: req.url },
+          req: { method: req.method, url: req.url, remoteAddress: req.ip },
           res: { statusCode: reply.statusCode },
           responseTime: reply.elapsedTime,
         },

@@ -1,3 +1,4 @@
+import { isIP } from 'node:net';
 import 'reflect-metadata';
 import { plainToInstance, Transform } from 'class-transformer';
 import { parseApiKeys } from '../common/auth.js';
@@ -188,6 +189,16 @@ export class AppConfig {
   @IsOptional()
   RATE_LIMIT_BURST = 0;
 
+  /**
+   * The proxies in front of the instance whose X-Forwarded-For it believes about a client's address (the rate limit
+   * counts by it, request lines show it): unset, none (the address is the connection's, so behind a load balancer
+   * every client is the balancer); `true`, every hop; a number, that many hops; or a comma-separated list of
+   * addresses and CIDR ranges (`loopback`, `linklocal` and `uniquelocal` name the usual ones). Checked by
+   * trustProxyProblem.
+   */
+  @IsString()
+  TRUST_PROXY = '';
+
   /** Reserves that may wait for free items (waitMs) at once on each instance; one more is answered 429. */
   @Transform(toInt)
   @IsInt()
@@ -258,6 +269,35 @@ export function loadConfig(env: Record<string, string | undefined>): AppConfig {
       `IDEMPOTENCY_TTL_MS=${JSON.stringify(String(config.IDEMPOTENCY_TTL_MS))}: must not exceed RESERVATION_RETENTION_MS (${config.RESERVATION_RETENTION_MS}): a retry after the reservation's record is gone would make a second reservation`,
     );
   }
+  const trust = bad.has('TRUST_PROXY') ? null : trustProxyProblem(config.TRUST_PROXY);
+  if (trust !== null) problems.push(`TRUST_PROXY=${JSON.stringify(config.TRUST_PROXY)}: ${trust}`);
   if (problems.length > 0) throw new ConfigError(problems);
   return config;
+}
+
+const PROXY_RANGE_NAMES = new Set(['loopback', 'linklocal', 'uniquelocal']);
+
+/** What is wrong with a TRUST_PROXY value, or null: each list entry an address, a CIDR range or a range's name. */
+export function trustProxyProblem(value: string): string | null {
+  if (value === '' || value === 'true' || value === 'false' || /^[0-9]{1,2}$/.test(value)) return null;
+  for (const entry of value.split(',').map((part) => part.trim())) {
+    if (PROXY_RANGE_NAMES.has(entry)) continue;
+    const [address, bits, extra] = entry.split('/');
+    const family = isIP(address ?? '');
+    const maxBits = family === 4 ? 32 : 128;
+    const bitsOk = bits === undefined || (/^[0-9]{1,3}$/.test(bits) && Number(bits) <= maxBits);
+    if (family === 0 || !bitsOk || extra !== undefined) {
+      return `${JSON.stringify(entry)} is not an address, a CIDR range or one of loopback, linklocal, uniquelocal; TRUST_PROXY is true, a number of hops, or a comma-separated list of those`;
+    }
+  }
+  return null;
+}
+
+/** TRUST_PROXY as Fastify's trustProxy option takes it (a number of hops as the function proxy-addr makes of one). */
+export function trustProxyOption(value: string): boolean | string | ((address: string, hop: number) => boolean) {
+  if (value === '' || value === 'false') return false;
+  if (value === 'true') return true;
+  if (!/^[0-9]{1,2}$/.test(value)) return value;
+  const hops = Number(value);
+  return (_address, hop) => hop < hops;
 }

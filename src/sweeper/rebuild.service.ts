@@ -171,7 +171,11 @@ export class RebuildService {
       this.metrics.keysRestored.inc(keys);
       if (added > 0 || reason !== 'periodic') {
         const putBack = keys > 0 ? `, ${keys} Idempotency-Keys of confirmed reservations put back` : '';
-        this.logger.log(`rebuild (${reason}): ${added} free items re-indexed${putBack} in ${Math.round(monotonicMs() - started)} ms`);
+        const line = `rebuild (${reason}): ${added} free items re-indexed${putBack} in ${Math.round(monotonicMs() - started)} ms`;
+        // Redis lost data (every hold with it) or went back in time: a warning, unless there was nothing to lose (a
+        // first start on an empty Redis).
+        if ((reason === 'wiped' || reason === 'rolledBack') && added + keys > 0) this.logger.warn(line);
+        else this.logger.log(line);
       }
       return added;
     } catch (err) {

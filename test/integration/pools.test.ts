@@ -413,6 +413,23 @@ describe('pools and resources', () => {
     expect((await limited.get('/v1/pools')).status).toBe(200);
   });
 
+  it('behind a proxy TRUST_PROXY names, the rate limit counts by the client address X-Forwarded-For gives; without it, by the connection (the proxy)', async () => {
+    const forwarded = (instance: TestInstance, client: string) =>
+      instance.request('GET', '/v1/pools', undefined, { 'x-forwarded-for': client });
+    const trusting = await world.start({ RATE_LIMIT_PER_SECOND: '1', RATE_LIMIT_BURST: '2', TRUST_PROXY: 'loopback' });
+    onTestFinished(() => trusting.close());
+    const clients = ['203.0.113.1', '203.0.113.2', '203.0.113.3'];
+    const each = [];
+    for (const client of clients) for (let i = 0; i < 2; i++) each.push((await forwarded(trusting, client)).status);
+    expect(each).toEqual([200, 200, 200, 200, 200, 200]);
+    expect((await forwarded(trusting, clients[0])).status).toBe(429);
+    const direct = await world.start({ RATE_LIMIT_PER_SECOND: '1', RATE_LIMIT_BURST: '2' });
+    onTestFinished(() => direct.close());
+    const shared = [];
+    for (const client of clients) shared.push((await forwarded(direct, client)).status);
+    expect(shared).toEqual([200, 200, 429]);
+  });
+
   it('requests refused before they reach a route (no API key, a wrong one, the wrong role, a query string) count toward the rate limit too', async () => {
     const admin = 'admin-key-0123456789';
     const limited = await world.start({ RATE_LIMIT_PER_SECOND: '1', RATE_LIMIT_BURST: '4', API_KEYS: `admin:${admin}` });

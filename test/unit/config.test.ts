@@ -1,7 +1,7 @@
 import { readFileSync } from 'node:fs';
 import { describe, expect, it } from 'vitest';
 import { parseApiKeys } from '../../src/common/auth.js';
-import { AppConfig, ConfigError, expiryBudgetWarning, loadConfig } from '../../src/config/app-config.js';
+import { AppConfig, ConfigError, expiryBudgetWarning, loadConfig, trustProxyOption } from '../../src/config/app-config.js';
 
 describe('loadConfig', () => {
   it('applies the documented defaults', () => {
@@ -61,6 +61,19 @@ describe('loadConfig', () => {
       /IDEMPOTENCY_TTL_MS="7200000": must not exceed RESERVATION_RETENTION_MS \(3600000\)/,
     );
     expect(loadConfig({ IDEMPOTENCY_TTL_MS: '3600000', RESERVATION_RETENTION_MS: '3600000' }).IDEMPOTENCY_TTL_MS).toBe(3_600_000);
+  });
+
+  it('takes TRUST_PROXY as true, a number of hops, or a list of addresses, CIDR ranges and range names, and refuses anything else', () => {
+    for (const value of ['true', 'false', '2', '10.0.0.1', '10.0.0.0/8, 192.168.1.1', 'loopback,::1', 'fd00::/8']) {
+      expect(loadConfig({ TRUST_PROXY: value }).TRUST_PROXY, value).toBe(value);
+    }
+    for (const value of ['yes', '10.0.0.0/33', '999.1.1.1', '10.0.0.1/8/1', 'loopback,', '300']) {
+      expect(() => loadConfig({ TRUST_PROXY: value }), value).toThrow(/TRUST_PROXY=.*is not an address, a CIDR range/);
+    }
+    expect(trustProxyOption('')).toBe(false);
+    expect(trustProxyOption('loopback')).toBe('loopback');
+    const twoHops = trustProxyOption('2') as (address: string, hop: number) => boolean;
+    expect([0, 1, 2].map((hop) => twoHops('10.0.0.1', hop))).toEqual([true, true, false]);
   });
 
   it('refuses a URL that cannot be parsed with the other bad variables, and never shows a password', () => {
