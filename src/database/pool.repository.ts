@@ -38,6 +38,14 @@ export class PoolRepository {
     return pg(() => this.db.getRepository(PoolEntity).findOneBy({ name }));
   }
 
+  /** Which of these pools were created more than `ageMs` ago, judged by Postgres' clock alone (created_at is its now()). */
+  async createdBefore(names: string[], ageMs: number): Promise<string[]> {
+    const rows: { name: string }[] = await pg(() =>
+      this.db.query(`SELECT name FROM t_pool WHERE name = ANY($1) AND created_at < now() - $2 * interval '1 millisecond'`, [names, ageMs]),
+    );
+    return rows.map((row) => row.name);
+  }
+
   findAll(): Promise<PoolEntity[]> {
     return pg(() => this.db.getRepository(PoolEntity).find({ order: { id: 'ASC' } }));
   }

@@ -6,7 +6,7 @@ import { PoolRepository } from '../database/pool.repository.js';
 import { NewResource, ResourceRepository, ResourceRow } from '../database/resource.repository.js';
 import { isAllocationTombstone } from '../redis/keys.js';
 import { isStringRecord } from '../common/validators.js';
-import { CachedItem, HoldStore, toCachedItem } from '../redis/hold-store.repository.js';
+import { CachedItem, HoldStore, PENDING_GENERATION_MS, toCachedItem } from '../redis/hold-store.repository.js';
 import { CommitService } from '../reservations/commit.service.js';
 import { PoolCatalog } from './pool-catalog.service.js';
 import { Later } from '../common/later.js';
@@ -143,8 +143,8 @@ export class PoolsService {
       finalized++;
     });
     let missing = 0;
-    // Young ones too: their age is judged by the key's own stamp, on Redis' clock (finalizeStale). Judged here by the
-    // row's createdAt, Postgres' clock, against this instance's, one whose clock was behind waited that much longer.
+    // Young ones too: a pending key's age is judged by its own stamp, on Redis' clock (finalizeStale). (Judged by the
+    // row's createdAt, Postgres' clock, against this instance's, one whose clock was behind waited that much longer.)
     const due = this.catalog
       .known()
       .filter((pool) => !this.settled.has(pool.name))
@@ -154,12 +154,13 @@ export class PoolsService {
     const state = await this.holds.rebuildState();
     if (state === 'missing') return { finalized, missing }; // the rebuild to come writes every key
     const generation = await this.generations.current();
+    const keyless: string[] = [];
     for (const pool of due) {
       const how = await this.holds.finalizeStale(pool.name, generation);
       if (how === 'young') continue;
       // (Not while a rebuild runs: it writes each pool's key once its Idempotency-Keys are back.)
       if (how === 'missing') {
-        if (state === 'rebuilt') missing++;
+        if (state === 'rebuilt') keyless.push(pool.name);
         continue;
       }
       this.settled.add(pool.name);
@@ -168,6 +169,10 @@ export class PoolsService {
         finalized++;
       }
     }
+    // A young pool's key may be missing for a moment while its creator lives (a wipe between its first pending write
+    // and its second, the rebuild having listed the pools before its row): left to the creator for
+    // PENDING_GENERATION_MS, by Postgres' own clock.
+    if (keyless.length > 0) missing = (await this.pools.createdBefore(keyless, PENDING_GENERATION_MS)).length;
     return { finalized, missing };
   }
 

@@ -251,21 +251,27 @@ describe('recovery: Redis wiped or down, Postgres down, an instance gone', () =>
     expect((await api.post('/v1/pools/creator-gone/reservations', { owner: 'o' })).status).toBe(201);
   });
 
-  it('a pool found without a generation key by the upkeep, with periodic rebuilds off, gets one from a rebuild in a new generation', async () => {
-    await seedPool(api, 'key-gone', numbers(1));
+  it('a pool found without a generation key by the upkeep, with periodic rebuilds off, gets one from a rebuild in a new generation; not while the pool is young (its creator may yet write it)', async () => {
     const [{ gen }] = await world.query(`SELECT gen::int AS gen FROM t_redis_generation`);
     const client = redis.client();
+    const key = poolKeys(world.prefix, 'key-gone').generation;
     try {
-      // As a wipe whose rebuild listed the pools before this one's row leaves it, its creator dead before its second write.
-      await world.query(`UPDATE t_pool SET created_at = now() - interval '40 seconds' WHERE name = 'key-gone'`);
-      await client.del(poolKeys(world.prefix, 'key-gone').generation);
+      // As a wipe whose rebuild listed the pools before this one's row leaves it, its creator dead before its second
+      // write (the row made here, so that this instance never saw the key final).
+      await world.query(`INSERT INTO t_pool (name, kind, hold_ttl_ms, max_hold_ttl_ms) VALUES ('key-gone', 'number', 600000, 3600000)`);
       await api.app.get(PoolCatalog).all();
-      await eventually(async () => (await client.get(poolKeys(world.prefix, 'key-gone').generation)) !== null, 5000);
+      // Young (by Postgres' clock): left to its creator.
+      await sleep(1500);
+      expect(await client.get(key)).toBeNull();
+      expect(await world.query(`SELECT gen::int AS gen FROM t_redis_generation`)).toEqual([{ gen }]);
+      await world.query(`UPDATE t_pool SET created_at = now() - interval '40 seconds' WHERE name = 'key-gone'`);
+      await eventually(async () => (await client.get(key)) !== null, 5000);
     } finally {
       client.disconnect();
     }
     // Taken for a wipe: a new generation fences what Redis may have lost.
     expect(await world.query(`SELECT gen::int AS gen FROM t_redis_generation`)).toEqual([{ gen: gen + 1 }]);
+    expect((await api.post('/v1/pools/key-gone/resources', { items: [{ value: '1' }] })).status).toBe(201);
     await eventually(async () => (await api.post('/v1/pools/key-gone/reservations', { owner: 'o' })).status === 201, 5000);
   });
 
