@@ -36,6 +36,11 @@ declare module 'fastify' {
 }
 
 const REQUEST_ID = /^[\w.:-]{1,128}$/;
+/**
+ * Connections Node's HTTP parser refused and clientErrorHandler answered itself, with the status it wrote (a 408 for a
+ * body that did not arrive in time): a request of theirs is not one its client abandoned (see `abandoned`).
+ */
+const answeredOnSocket = new WeakMap<object, number>();
 /** How long a request's headers may take to arrive at most (Node's default); REQUEST_TIMEOUT_MS if shorter. */
 const HEADERS_TIMEOUT_MS = 60_000;
 
@@ -99,7 +104,10 @@ export async function createApp(config: AppConfig, options: { logger?: boolean }
     clientErrorHandler: (err: NodeJS.ErrnoException, socket) => {
       if (socket.destroyed) return;
       const answer = clientErrorResponse(err);
-      if (answer !== null && socket.writable) socket.write(answer);
+      if (answer !== null && socket.writable) {
+        socket.write(answer);
+        answeredOnSocket.set(socket, Number(answer.slice('HTTP/1.1 '.length, 'HTTP/1.1 '.length + 3)));
+      }
       socket.destroy(err);
     },
   });
@@ -165,10 +173,23 @@ export async function createApp(config: AppConfig, options: { logger?: boolean }
    * runs. Counted (and logged) as nginx does, status 499: during an outage these are the requests that fail.
    * (Fastify's onRequestAbort hook fires only for a request whose body had not all arrived.)
    */
-  const abandoned = (req: FastifyRequest) => {
+  const abandoned = (req: FastifyRequest, socket: object | null) => {
     const seconds = Math.max(0, Date.now() - req.receivedAtMs) / 1000;
-    metrics.httpDuration.observe({ method: req.method, route: req.routeOptions.url ?? 'unmatched', status: '499' }, seconds);
-    if (logRequests) {
+    // Unless the request was answered beside Fastify (a 408): counted with that status.
+    const answered = socket === null ? undefined : answeredOnSocket.get(socket);
+    const status = answered ?? 499;
+    metrics.httpDuration.observe({ method: req.method, route: req.routeOptions.url ?? 'unmatched', status: String(status) }, seconds);
+    if (logRequests && answered !== undefined) {
+      log.info(
+        {
+          reqId: req.id,
+          req: { method: req.method, url: req.url, remoteAddress: req.ip },
+          res: { statusCode: status },
+          responseTime: seconds * 1000,
+        },
+        'request completed',
+      );
+    } else if (logRequests) {
       log.info(
         {
           reqId: req.id,
@@ -183,8 +204,9 @@ export async function createApp(config: AppConfig, options: { logger?: boolean }
   fastify.addHook('onRequest', async (req: FastifyRequest, reply: FastifyReply) => {
     req.receivedAtMs = Date.now();
     void reply.header('x-request-id', req.id);
+    const socket = req.raw.socket;
     reply.raw.once('close', () => {
-      if (!reply.raw.writableFinished) abandoned(req);
+      if (!reply.raw.writableFinished) abandoned(req, socket);
     });
     // A request with no body is one without a body, whatever its Content-Type says: clients that send
     // `Content-Type: application/json` on every call (a DELETE, a complete) would otherwise meet the JSON

@@ -20,26 +20,29 @@ function rootCause(err: unknown): unknown {
 @Catch()
 export class AllExceptionsFilter implements ExceptionFilter {
   private readonly logger = new Logger('Errors');
-  /** By dependency: when a 503 of it was last logged, and how many were answered since without a line. */
+  /** By dependency and message: when such a 503 was last logged, and how many were answered since without a line. */
   private readonly unavailableSeen = new Map<string, { at: number; unlogged: number }>();
 
   /**
-   * Logs a 503: the first of a dependency, then at most one every UNAVAILABLE_LOG_GAP_MS, saying how many were not
-   * logged in between (an outage under load logged a line for each request, over a thousand a second).
+   * Logs a 503: the first of a dependency and kind, then at most one every UNAVAILABLE_LOG_GAP_MS, saying how many
+   * were not logged in between (an outage under load logged a line for each request, over a thousand a second).
    */
   private unavailable(reqId: string, message: string, details: Record<string, unknown>, cause: unknown): void {
     const report = details.report as { error?: Record<string, unknown> } | undefined;
     const dependency =
       typeof details.dependency === 'string' ? details.dependency : report?.error ? Object.keys(report.error).sort().join(',') : 'unknown';
+    // By message too (a fixed one for each kind of 503): a readiness probe's, or a plain refusal's, does not hide
+    // another kind, a confirm whose outcome is unknown, say.
+    const kind = `${dependency}\n${message}`;
     const now = monotonicMs();
-    const seen = this.unavailableSeen.get(dependency);
+    const seen = this.unavailableSeen.get(kind);
     if (seen !== undefined && now - seen.at < UNAVAILABLE_LOG_GAP_MS) {
       seen.unlogged++;
       return;
     }
-    this.unavailableSeen.set(dependency, { at: now, unlogged: 0 });
+    this.unavailableSeen.set(kind, { at: now, unlogged: 0 });
     const unlogged = seen?.unlogged ?? 0;
-    const more = unlogged > 0 ? ` (${unlogged} more answered 503 for ${dependency} since the last such line)` : '';
+    const more = unlogged > 0 ? ` (${unlogged} more such 503s since the last such line)` : '';
     this.logger.warn({
       reqId,
       dependency,

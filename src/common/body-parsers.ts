@@ -1,4 +1,4 @@
-import { isUtf8 } from 'node:buffer';
+import { isAscii, isUtf8 } from 'node:buffer';
 import type { Readable } from 'node:stream';
 import { errorCodes, type FastifyInstance, type FastifyRequest } from 'fastify';
 
@@ -13,12 +13,12 @@ function refusal(code: string, message: string): Error {
   return Object.assign(new Error(message), { code, statusCode: 400 });
 }
 
-/** The charset a request's Content-Type names, when it is not UTF-8 (the only one JSON may be sent in, RFC 8259). */
+/** The charset a request's Content-Type names, when it is not UTF-8 (RFC 8259: JSON is sent in it) or its subset US-ASCII. */
 function otherCharset(req: FastifyRequest): string | undefined {
   const charset = CHARSET.exec(req.headers['content-type'] ?? '')?.[1];
   if (charset === undefined) return undefined;
   const name = charset.toLowerCase();
-  return name === 'utf-8' || name === 'utf8' ? undefined : charset;
+  return name === 'utf-8' || name === 'utf8' || name === 'us-ascii' ? undefined : charset;
 }
 
 /**
@@ -50,11 +50,19 @@ export function installBodyParsers(fastify: FastifyInstance): void {
       done(refusal(BODY_CHARSET, `the body must be JSON in UTF-8; charset ${JSON.stringify(charset)} is not accepted`), undefined);
     } else if (!isUtf8(body)) {
       done(refusal(BODY_NOT_UTF8, 'the body is not valid UTF-8'), undefined);
+    } else if (!isAscii(body) && CHARSET.exec(req.headers['content-type'] ?? '')?.[1]?.toLowerCase() === 'us-ascii') {
+      done(refusal(BODY_NOT_UTF8, 'the body is not US-ASCII, which its Content-Type says it is'), undefined);
     } else {
       void parseJson(req, body.toString('utf8'), done);
     }
   });
-  fastify.addContentTypeParser('*', (_req: FastifyRequest, payload: Readable, done: (err: Error | null, body?: unknown) => void) => {
+  fastify.addContentTypeParser('*', (req: FastifyRequest, payload: Readable, done: (err: Error | null, body?: unknown) => void) => {
+    // A body announced by its length is refused without waiting for it.
+    const length = req.headers['content-length'];
+    if (length !== undefined && length !== '0') {
+      done(new errorCodes.FST_ERR_CTP_INVALID_MEDIA_TYPE(), undefined);
+      return;
+    }
     let settled = false;
     const settle = (err: Error | null) => {
       if (settled) return;

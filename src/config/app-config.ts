@@ -192,8 +192,8 @@ export class AppConfig {
   /**
    * The proxies in front of the instance whose X-Forwarded-For it believes about a client's address (the rate limit
    * counts by it, request lines show it): unset, none (the address is the connection's, so behind a load balancer
-   * every client is the balancer); `true`, every hop; a number, that many hops; or a comma-separated list of
-   * addresses and CIDR ranges (`loopback`, `linklocal` and `uniquelocal` name the usual ones). Checked by
+   * every client is the balancer); `true`, every hop (only where no client reaches the instance but through them); or
+   * a comma-separated list of addresses and CIDR ranges (`loopback`, `linklocal` and `uniquelocal` name the usual ones). Checked by
    * trustProxyProblem.
    */
   @IsString()
@@ -279,25 +279,26 @@ const PROXY_RANGE_NAMES = new Set(['loopback', 'linklocal', 'uniquelocal']);
 
 /** What is wrong with a TRUST_PROXY value, or null: each list entry an address, a CIDR range or a range's name. */
 export function trustProxyProblem(value: string): string | null {
-  if (value === '' || value === 'true' || value === 'false' || /^[0-9]{1,2}$/.test(value)) return null;
+  if (value === '' || value === 'true' || value === 'false') return null;
   for (const entry of value.split(',').map((part) => part.trim())) {
     if (PROXY_RANGE_NAMES.has(entry)) continue;
     const [address, bits, extra] = entry.split('/');
     const family = isIP(address ?? '');
     const maxBits = family === 4 ? 32 : 128;
-    const bitsOk = bits === undefined || (/^[0-9]{1,3}$/.test(bits) && Number(bits) <= maxBits);
+    // (proxy-addr refuses a /0, and netmask notation is not taken.)
+    const bitsOk = bits === undefined || (/^[0-9]{1,3}$/.test(bits) && Number(bits) >= 1 && Number(bits) <= maxBits);
     if (family === 0 || !bitsOk || extra !== undefined) {
-      return `${JSON.stringify(entry)} is not an address, a CIDR range or one of loopback, linklocal, uniquelocal; TRUST_PROXY is true, a number of hops, or a comma-separated list of those`;
+      return `${JSON.stringify(entry)} is not an address, a CIDR range (/1 or more) or one of loopback, linklocal, uniquelocal; TRUST_PROXY is true or a comma-separated list of those`;
     }
   }
   return null;
 }
 
-/** TRUST_PROXY as Fastify's trustProxy option takes it (a number of hops as the function proxy-addr makes of one). */
-export function trustProxyOption(value: string): boolean | string | ((address: string, hop: number) => boolean) {
+/**
+ * TRUST_PROXY as Fastify's trustProxy option takes it. (No number of hops: with one, a client that reaches the instance
+ * directly names any address it likes.)
+ */
+export function trustProxyOption(value: string): boolean | string {
   if (value === '' || value === 'false') return false;
-  if (value === 'true') return true;
-  if (!/^[0-9]{1,2}$/.test(value)) return value;
-  const hops = Number(value);
-  return (_address, hop) => hop < hops;
+  return value === 'true' ? true : value;
 }

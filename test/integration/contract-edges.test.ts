@@ -1,4 +1,5 @@
 import { request as httpRequest } from 'node:http';
+import { connect } from 'node:net';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { MAX_BODY_NODES } from '../../src/common/validation.js';
 import { TestInstance, TestWorld, numbers, seedPool } from '../support/harness.js';
@@ -303,6 +304,28 @@ describe('API.md edges', () => {
       expect(answer.body.error.details.fields).toEqual([{ field: 'body', reason: expect.stringContaining('must be JSON in UTF-8') }]);
     }
     expect(await api.stats('latin1')).toEqual({ total: 2, free: 2, held: 0, allocated: 0 });
+    // US-ASCII is UTF-8's subset: taken when the body is ASCII.
+    const ascii = await rawPost('/v1/pools/latin1/reservations', Buffer.from('{"owner":"Jose"}'), 'application/json; charset=us-ascii');
+    expect(ascii.status).toBe(201);
+  });
+
+  it('a body of a type no parser takes, announced by its Content-Length, is refused at once without waiting for it (it waited for REQUEST_TIMEOUT_MS, then 408)', async () => {
+    const url = new URL(api.url);
+    const started = performance.now();
+    const answer = await new Promise<string>((resolve, reject) => {
+      let text = '';
+      const socket = connect(Number(url.port), url.hostname, () =>
+        socket.write(`POST /v1/pools HTTP/1.1\r\nHost: x\r\nContent-Type: application/xml\r\nContent-Length: 10\r\n\r\n`),
+      );
+      socket.on('data', (chunk) => {
+        text += chunk.toString();
+        if (text.includes('\r\n\r\n{')) socket.destroy();
+      });
+      socket.on('close', () => resolve(text));
+      socket.on('error', reject);
+    });
+    expect(answer).toMatch(/^HTTP\/1\.1 400 /);
+    expect(performance.now() - started).toBeLessThan(1000);
   });
 
   /** A request sent with `Transfer-Encoding: chunked` and the given chunks (none: an empty body). */

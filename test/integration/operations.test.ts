@@ -351,6 +351,12 @@ describe('operations: health, metrics, OpenAPI, request ids', () => {
     expect(waited.status).toBe(409);
     expect(waited.body.error.code).toBe('POOL_EXHAUSTED');
     expect((await slow.get('/v1/pools/stalled')).body.stats).toEqual({ total: 1, free: 0, held: 1, allocated: 0 });
+    // The stalled body is counted as answered, 408 (its client did not go away: it was counted 499).
+    const counted = (await slow.get('/metrics')).body as string;
+    expect(counted).toMatch(
+      /respool_http_request_duration_seconds_count\{method="POST",route="\/v1\/pools\/:pool\/reservations",status="408"\} 1/,
+    );
+    expect(counted).not.toContain('status="499"');
 
     // Answered before the body it announced arrived (a query string on the pool list, refused at once; a GET, whose
     // body is ignored):
