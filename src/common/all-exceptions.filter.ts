@@ -28,7 +28,13 @@ export class AllExceptionsFilter implements ExceptionFilter {
    * were not logged in between (an outage under load logged a line for each request, over a thousand a second).
    */
   private unavailable(reqId: string, message: string, details: Record<string, unknown>, cause: unknown): void {
-    const report = details.report as { error?: Record<string, unknown> } | undefined;
+    const report = details.report as { error?: Record<string, { message?: unknown; status?: unknown }> } | undefined;
+    // A readiness check's: what each failed check said.
+    if (cause === undefined && report?.error) {
+      cause = Object.entries(report.error)
+        .map(([name, check]) => `${name}: ${String(check?.message ?? check?.status)}`)
+        .join('; ');
+    }
     const dependency =
       typeof details.dependency === 'string' ? details.dependency : report?.error ? Object.keys(report.error).sort().join(',') : 'unknown';
     // By message too (a fixed one for each kind of 503): a readiness probe's, or a plain refusal's, does not hide

@@ -562,6 +562,8 @@ describe('recovery: Redis wiped or down, Postgres down, an instance gone', () =>
         .filter((line) => line?.dependency === 'redis');
       expect(lines.filter((line) => line?.msg?.startsWith('redis is unavailable; nothing was changed: '))).toHaveLength(1);
       expect(lines.map((line) => line?.msg?.split(':')[0]).sort()).toEqual(['redis is unavailable; nothing was changed', 'unavailable']);
+      // The readiness line says what the failed check said.
+      expect(lines.some((line) => /^unavailable: redis: redis: \S/.test(line?.msg ?? ''))).toBe(true);
       const rows = await world.query(
         `SELECT count(*)::int AS n, count(*) FILTER (WHERE state = 2)::int AS allocated FROM t_resource r JOIN t_pool p ON p.id = r.pool_id WHERE p.name = 'redis-down'`,
       );
