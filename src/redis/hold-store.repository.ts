@@ -1,6 +1,6 @@
 import { Inject, Injectable, Logger, OnApplicationShutdown } from '@nestjs/common';
 import { createHash, randomUUID } from 'node:crypto';
-import type { Redis } from 'ioredis';
+import { ReplyError, type Redis } from 'ioredis';
 import { AppConfig } from '../config/app-config.js';
 import type { ResourceRow } from '../database/resource.repository.js';
 import { isRedisOutage } from '../common/dependency-errors.js';
@@ -216,6 +216,8 @@ const MARK_REBUILT = `if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('
 const SET_CHECKPOINT = `if redis.call('GET', KEYS[1]) ~= ARGV[1] or (redis.call('GET', KEYS[2]) or '') ~= ARGV[2] then return 0 end
 redis.call('SET', KEYS[2], ARGV[3]) return 1`;
 /** After a check of a new connection to Redis that could not tell (see HoldStore.checkOnConnect), requests go on this long. */
+/** No command answered for this long (or five REDIS_TIMEOUT_MS, if longer) while commands time out: the connection is made again. */
+export const DEAD_CONNECTION_MS = 10_000;
 const CONNECT_RECHECK_MS = 1000;
 const CONNECT_RECHECK_MAX_MS = 16_000;
 /** A pool's generation (KEYS[1]) dropped only if it is ARGV[1] or older (see HoldStore.dropAll). */
@@ -340,7 +342,8 @@ export class HoldStore implements OnApplicationShutdown {
     const call = (this.redis as unknown as Record<string, ScriptCall>)[`rp_${name}`];
     // KEYS[1] (the free index) names the pool's slot (for Redis Cluster routing); the scripts build their keys from
     // the base.
-    const once = () => withTimeout(call.call(this.redis, `${base}free`, base, ...args) as Promise<T>, this.config.REDIS_TIMEOUT_MS);
+    const once = () =>
+      this.answered(withTimeout(call.call(this.redis, `${base}free`, base, ...args) as Promise<T>, this.config.REDIS_TIMEOUT_MS));
     try {
       return await once().catch((err: unknown) => {
         if (retryOnTimeout && err instanceof Error && err.message === REDIS_TIMEOUT_MESSAGE) return once();
@@ -351,9 +354,45 @@ export class HoldStore implements OnApplicationShutdown {
     }
   }
 
+  /**
+   * Since when no command has been answered, while some timed out (the send of the first of them); null once one is.
+   * See `answered`.
+   */
+  private silentSince: number | null = null;
+
+  /**
+   * `command`, watched: a connection on which no command is answered for DEAD_CONNECTION_MS, while commands time out,
+   * is made again. One a failover or a NAT left black-holed (the peer gone without a reset) answered every command
+   * 503 until the kernel gave the connection up, a quarter of an hour later. (Redis busy with one long command for
+   * that long loses its connection too, which changes nothing: what was in flight has been answered a timeout.)
+   */
+  private answered<T>(command: Promise<T>): Promise<T> {
+    return command.then(
+      (value) => {
+        this.silentSince = null;
+        return value;
+      },
+      (err: unknown) => {
+        if (!(err instanceof Error) || err.message !== REDIS_TIMEOUT_MESSAGE) {
+          // A reply (an error Redis sent) is an answer; a closed connection is ioredis' to make again.
+          if (err instanceof ReplyError) this.silentSince = null;
+          throw err;
+        }
+        const now = monotonicMs();
+        this.silentSince ??= now - this.config.REDIS_TIMEOUT_MS;
+        if (now - this.silentSince >= Math.max(DEAD_CONNECTION_MS, 5 * this.config.REDIS_TIMEOUT_MS) && this.redis.status === 'ready') {
+          this.logger.warn(`redis: no answer for ${Math.round(now - this.silentSince)} ms; connecting again`);
+          this.silentSince = null;
+          this.redis.disconnect(true);
+        }
+        throw err;
+      },
+    );
+  }
+
   private async command<T>(fn: () => Promise<T>): Promise<T> {
     try {
-      return await withTimeout(fn(), this.config.REDIS_TIMEOUT_MS);
+      return await this.answered(withTimeout(fn(), this.config.REDIS_TIMEOUT_MS));
     } catch (err) {
       throw isRedisOutage(err) ? DomainError.unavailable('redis', err) : err;
     }

@@ -3,8 +3,8 @@ import { afterAll, beforeAll, describe, expect, it, vi } from 'vitest';
 import { loadConfig } from '../../src/config/app-config.js';
 import { REDIS, REDIS_TIMEOUT_MESSAGE, createRedis, withTimeout } from '../../src/redis/redis.client.js';
 import { HttpAnswer, TestInstance, TestWorld, eventually, numbers, seedPool, sleep } from '../support/harness.js';
-import { OwnRedis, REDIS_URL } from '../support/services.js';
-import { HoldStore } from '../../src/redis/hold-store.repository.js';
+import { OwnRedis, REDIS_URL, TcpProxy } from '../support/services.js';
+import { DEAD_CONNECTION_MS, HoldStore } from '../../src/redis/hold-store.repository.js';
 import { DomainError } from '../../src/common/errors.js';
 import { poolKeys } from '../../src/redis/keys.js';
 
@@ -72,7 +72,7 @@ async function whileBusy<T = HttpAnswer>(url: string, ms: number, request: () =>
   }
 }
 
-describe('a reserve, or a confirm\'s pin, that got no answer in time', () => {
+describe("a reserve, or a confirm's pin, that got no answer in time", () => {
   const world = new TestWorld('reservetimeout');
   let own: OwnRedis;
   let api: TestInstance;
@@ -314,7 +314,7 @@ describe('a reserve, or a confirm\'s pin, that got no answer in time', () => {
     expect(released.status).toBe(200);
     expect(released.body.state).toBe('released');
     expect(await api.stats('pin-undone')).toEqual({ total: 4, free: 4, held: 0, allocated: 0 });
-    expect(await world.query("SELECT id FROM t_resource WHERE state <> 1")).toEqual([]);
+    expect(await world.query('SELECT id FROM t_resource WHERE state <> 1')).toEqual([]);
   });
 
   it('is answered 503, and its retry confirms', async () => {
@@ -350,4 +350,31 @@ describe('a reserve, or a confirm\'s pin, that got no answer in time', () => {
       client.disconnect();
     }
   });
+});
+
+describe('a connection to Redis left black-holed (a failover, a NAT that dropped it: no answer and no reset)', () => {
+  const world = new TestWorld('blackhole');
+  afterAll(() => world.cleanup());
+
+  it('is made again once nothing has been answered on it for DEAD_CONNECTION_MS: reserves answer 503 until then, and 201 after (they answered 503 until the kernel gave it up, a quarter of an hour later)', async () => {
+    const proxy = await TcpProxy.start(Number(new URL(REDIS_URL).port || 6379));
+    try {
+      const api = await world.start({ REDIS_URL: `redis://127.0.0.1:${proxy.port}`, REDIS_TIMEOUT_MS: '300' });
+      await seedPool(api, 'holed', numbers(20));
+      expect((await api.post('/v1/pools/holed/reservations', { owner: 'o' })).status).toBe(201);
+      proxy.blackHole();
+      const started = performance.now();
+      const during = await api.post('/v1/pools/holed/reservations', { owner: 'o' });
+      expect(during.status).toBe(503);
+      let answer = during;
+      while (answer.status !== 201 && performance.now() - started < DEAD_CONNECTION_MS + 8000) {
+        await sleep(250);
+        answer = await api.post('/v1/pools/holed/reservations', { owner: 'o' });
+      }
+      expect(answer.status).toBe(201);
+      expect(performance.now() - started).toBeGreaterThan(DEAD_CONNECTION_MS - 1000);
+    } finally {
+      await proxy.cut();
+    }
+  }, 40_000);
 });

@@ -159,11 +159,13 @@ export class OwnRedis {
 
 /**
  * A TCP proxy in front of a real server that a test can slow down (latency added to every chunk, in
- * order) or cut (every connection dropped, new ones refused) and restore.
+ * order), black-hole (the connections open go silent) or cut (every connection dropped, new ones refused) and restore.
  */
 export class TcpProxy {
   private server: net.Server | undefined;
   private readonly sockets = new Set<net.Socket>();
+  /** Sockets whose data is dropped (blackHole): the peer seems gone, without a reset. */
+  private readonly holed = new WeakSet<net.Socket>();
   latencyMs = 0;
 
   private constructor(
@@ -180,6 +182,7 @@ export class TcpProxy {
   private relay(from: net.Socket, to: net.Socket): void {
     let chain = Promise.resolve();
     from.on('data', (chunk) => {
+      if (this.holed.has(from)) return;
       const delay = this.latencyMs;
       if (delay === 0) {
         to.write(chunk);
@@ -208,6 +211,14 @@ export class TcpProxy {
       upstream.on('close', () => client.destroy());
     });
     await new Promise<void>((resolve) => this.server!.listen(this.port, '127.0.0.1', resolve));
+  }
+
+  /**
+   * The connections open now carry nothing more, either way, and stay open (a failover or a NAT that left them
+   * black-holed, the peer gone without a reset); new ones are relayed as before.
+   */
+  blackHole(): void {
+    for (const s of this.sockets) this.holed.add(s);
   }
 
   async cut(): Promise<void> {
