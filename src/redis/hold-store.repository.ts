@@ -7,7 +7,17 @@ import { isRedisOutage } from '../common/dependency-errors.js';
 import { DomainError, ErrorCode } from '../common/errors.js';
 import { Later } from '../common/later.js';
 import { loadScript } from './lua-prelude.js';
-import { checkpointKey, freeMember, legacyAttributeSets, markerKey, poolBase, poolKeys, poolKeysOf, rebuildRunKey } from './keys.js';
+import {
+  checkpointKey,
+  freeMember,
+  legacyAttributeSets,
+  legacyMarkerKeys,
+  markerKey,
+  poolBase,
+  poolKeys,
+  poolKeysOf,
+  rebuildRunKey,
+} from './keys.js';
 import { REDIS, REDIS_TIMEOUT_MESSAGE, evictionPolicyOf, evictionRefusal, redisNowMs, warnEachError, withTimeout } from './redis.client.js';
 import { monotonicMs } from '../common/clock.js';
 
@@ -959,7 +969,21 @@ export class HoldStore implements OnApplicationShutdown {
   async rebuildState(): Promise<'missing' | 'unfinished' | 'rebuilt'> {
     const marker = await this.marker();
     if (marker === null) return 'missing';
+    // An older version's marker beside this one's: that version ran on this Redis since this one rebuilt it (a
+    // rollback, then this version again), writing in its own layout: taken for a wipe (legacyMarkerKeys).
+    if (await this.legacyMarkerPresent()) return 'missing';
     return unfinishedRound(marker) === null ? 'rebuilt' : 'unfinished';
+  }
+
+  private async legacyMarkerPresent(): Promise<boolean> {
+    // One key a command: the markers need not share a Redis Cluster slot.
+    const found = await Promise.all(legacyMarkerKeys(this.prefix).map((key) => this.command(() => this.redis.exists(key))));
+    return found.some((n) => n > 0);
+  }
+
+  /** Drops the markers of older key layouts (legacyMarkerKeys). */
+  async dropLegacyMarkers(): Promise<void> {
+    for (const key of legacyMarkerKeys(this.prefix)) await this.command(() => this.redis.unlink(key));
   }
 
   /** The rebuilt-marker's value, or null. */

@@ -466,6 +466,7 @@ describe('rebuild of Redis from Postgres, one instance at a time', () => {
       const members = await client.zrange(keys.free, 0, -1);
       await client.sadd(legacy, ...members.filter((m) => !m.startsWith('13800000003')));
       await client.del(keys.attribute('city', 'bj'), keys.attribute('city', 'sh'), markerKey(world.prefix));
+      await client.set(`${world.prefix}meta:rebuilt:2`, 'rebuilt by the version before');
       // Keys of this layout whose names merely contain "}:fa:" stay: an idempotency key, and a set named so.
       const idem = `${keys.base}idem:a}:fa:b`;
       const group = `${keys.base}fg:x}:fa:y`;
@@ -476,6 +477,8 @@ describe('rebuild of Redis from Postgres, one instance at a time', () => {
       // The items are in the free index already (its layout did not change); their attribute indexes are rebuilt.
       expect(await b.app.get(RebuildService).rebuild('wiped')).toBe(0);
       expect(await client.exists(legacy)).toBe(0);
+      // Its marker goes too: that version, started here again (a rollback), finds none and rebuilds Redis.
+      expect(await client.exists(`${world.prefix}meta:rebuilt:2`)).toBe(0);
       expect(await client.exists(idem, group)).toBe(2);
       expect(await client.zcard(keys.attribute('city', 'bj'))).toBe(2);
       expect(await client.zcard(keys.attribute('city', 'sh'))).toBe(1);
@@ -489,6 +492,26 @@ describe('rebuild of Redis from Postgres, one instance at a time', () => {
     } finally {
       client.disconnect();
     }
+  });
+
+  it("an older version's marker found beside this one's (that version ran here since: a rollback, then this version again) is taken for a wipe: rebuilt in a new generation", async () => {
+    await seedPool(a, 'rolled-back', numbers(2));
+    const [{ gen }] = await world.query(`SELECT gen::int AS gen FROM t_redis_generation`);
+    const { Redis } = await import('ioredis');
+    const client = new Redis(a.config.REDIS_URL);
+    try {
+      // Layout 1's marker had no number; a version of that layout, started on this Redis, writes it.
+      await client.set(`${world.prefix}meta:rebuilt`, 'rebuilt by an older version');
+      expect(await a.app.get(HoldStore).markerPresent()).toBe(false);
+      await eventually(
+        async () => (await client.exists(`${world.prefix}meta:rebuilt`)) === 0 && (await a.app.get(HoldStore).rebuildState()) === 'rebuilt',
+        10_000,
+      );
+    } finally {
+      client.disconnect();
+    }
+    expect(await world.query(`SELECT gen::int AS gen FROM t_redis_generation`)).toEqual([{ gen: gen + 1 }]);
+    expect((await a.post('/v1/pools/rolled-back/reservations', { owner: 'o', count: 2 })).status).toBe(201);
   });
 
   describe('attributes that are not a flat object of strings', () => {
