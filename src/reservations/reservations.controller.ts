@@ -127,9 +127,37 @@ export class ReservationsController {
  */
 function watchHangUp(reply: FastifyReply): { signal: AbortSignal; stop: () => void } {
   const gone = new AbortController();
-  const hungUp = (): void => gone.abort();
   const socket = reply.request.raw.socket;
-  socket.once('close', hungUp);
-  if (socket.destroyed) gone.abort();
-  return { signal: gone.signal, stop: () => socket.off('close', hungUp) };
+  if (socket.destroyed) {
+    gone.abort();
+    return { signal: gone.signal, stop: () => undefined };
+  }
+  // One listener a socket, whatever the number of its waiting reserves (pipelined on one connection, each added
+  // one, and Node warned of a leak past 10).
+  let waiting = watchers.get(socket);
+  if (waiting === undefined) {
+    const controllers = new Set<AbortController>();
+    const hungUp = (): void => {
+      watchers.delete(socket);
+      for (const controller of controllers) controller.abort();
+    };
+    waiting = { controllers, stop: () => socket.off('close', hungUp) };
+    watchers.set(socket, waiting);
+    socket.once('close', hungUp);
+  }
+  const own = waiting;
+  own.controllers.add(gone);
+  return {
+    signal: gone.signal,
+    stop: () => {
+      own.controllers.delete(gone);
+      if (own.controllers.size === 0 && watchers.get(socket) === own) {
+        watchers.delete(socket);
+        own.stop();
+      }
+    },
+  };
 }
+
+/** The waiting reserves of each socket, told together when it closes (watchHangUp). */
+const watchers = new WeakMap<object, { controllers: Set<AbortController>; stop: () => void }>();

@@ -1,4 +1,5 @@
 import type { Redis } from 'ioredis';
+import { connect } from 'node:net';
 import { afterAll, beforeAll, describe, expect, it, vi } from 'vitest';
 import { HoldStore, ReserveResult } from '../../src/redis/hold-store.repository.js';
 import { poolBase } from '../../src/redis/keys.js';
@@ -133,6 +134,33 @@ describe('reserve with waitMs', () => {
     // The waiter would have tried again within 250 ms.
     await sleep(600);
     expect(await api.stats('hangup')).toEqual({ total: 2, free: 2, held: 0, allocated: 0 });
+  });
+
+  it('waiting reserves pipelined on one connection share one watch of it: no leak warning past 10, and all stop waiting when it closes', async () => {
+    await seedPool(api, 'piped', numbers(1));
+    const blocker = await reserve('piped', { owner: 'a' });
+    const warnings: Error[] = [];
+    const onWarning = (warning: Error) => warnings.push(warning);
+    process.on('warning', onWarning);
+    const url = new URL(api.url);
+    const socket = connect(Number(url.port), url.hostname);
+    try {
+      await new Promise((resolve) => socket.once('connect', resolve));
+      const body = JSON.stringify({ owner: 'w', waitMs: 5000 });
+      const request = `POST /v1/pools/piped/reservations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: ${body.length}\r\n\r\n${body}`;
+      socket.write(request.repeat(15));
+      await sleep(500);
+      socket.destroy();
+      await sleep(300);
+      expect(warnings.map((w) => w.name)).not.toContain('MaxListenersExceededWarning');
+    } finally {
+      process.off('warning', onWarning);
+      socket.destroy();
+    }
+    // None waits on: the item freed now stays free.
+    await api.del(`/v1/reservations/${blocker.body.id}`);
+    await sleep(600);
+    expect(await api.stats('piped')).toEqual({ total: 1, free: 1, held: 0, allocated: 0 });
   });
 
   it('a caller that hangs up while a try is holding its items gets nothing held: they are given back', async () => {
