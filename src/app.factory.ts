@@ -166,41 +166,30 @@ export async function createApp(config: AppConfig, options: { logger?: boolean }
     config.RATE_LIMIT_PER_SECOND > 0
       ? new RateLimiter(config.RATE_LIMIT_PER_SECOND, config.RATE_LIMIT_BURST || config.RATE_LIMIT_PER_SECOND)
       : undefined;
-  // One hook for every request (each hook costs the hot path a promise), its first step.
   const logRequests = config.LOG_REQUESTS === 'true' && !quiet;
-  /**
-   * A request whose client went away before its answer (a timeout, a hang-up): no answer is sent, so onResponse never
-   * runs. Counted (and logged) as nginx does, status 499: during an outage these are the requests that fail.
-   * (Fastify's onRequestAbort hook fires only for a request whose body had not all arrived.)
-   */
-  const abandoned = (req: FastifyRequest, socket: object | null) => {
-    const seconds = Math.max(0, Date.now() - req.receivedAtMs) / 1000;
-    // Unless the request was answered beside Fastify (a 408): counted with that status.
-    const answered = socket === null ? undefined : answeredOnSocket.get(socket);
-    const status = answered ?? 499;
-    metrics.httpDuration.observe({ method: req.method, route: req.routeOptions.url ?? 'unmatched', status: String(status) }, seconds);
-    if (logRequests && answered !== undefined) {
+  /** A request's metric, and its log line (LOG_REQUESTS). */
+  const answered = (req: FastifyRequest, status: number, ms: number, line = 'request completed') => {
+    metrics.httpDuration.observe({ method: req.method, route: req.routeOptions.url ?? 'unmatched', status: String(status) }, ms / 1000);
+    if (logRequests) {
       log.info(
-        {
-          reqId: req.id,
-          req: { method: req.method, url: req.url, remoteAddress: req.ip },
-          res: { statusCode: status },
-          responseTime: seconds * 1000,
-        },
-        'request completed',
-      );
-    } else if (logRequests) {
-      log.info(
-        {
-          reqId: req.id,
-          req: { method: req.method, url: req.url, remoteAddress: req.ip },
-          res: { statusCode: 499 },
-          responseTime: seconds * 1000,
-        },
-        'request abandoned: the client went away before its answer',
+        { reqId: req.id, req: { method: req.method, url: req.url, remoteAddress: req.ip }, res: { statusCode: status }, responseTime: ms },
+        line,
       );
     }
   };
+  /**
+   * A request whose client went away before its answer (a timeout, a hang-up): no answer is sent, so onResponse never
+   * runs. Counted (and logged) as nginx does, status 499: during an outage these are the requests that fail. Unless
+   * it was answered beside Fastify (a 408 by clientErrorHandler): counted with that status. (Fastify's onRequestAbort
+   * hook fires only for a request whose body had not all arrived.)
+   */
+  const abandoned = (req: FastifyRequest, socket: object | null) => {
+    const ms = Math.max(0, Date.now() - req.receivedAtMs);
+    const status = socket === null ? undefined : answeredOnSocket.get(socket);
+    if (status !== undefined) answered(req, status, ms);
+    else answered(req, 499, ms, 'request abandoned: the client went away before its answer');
+  };
+  // One hook for every request (each hook costs the hot path a promise), its first step.
   fastify.addHook('onRequest', async (req: FastifyRequest, reply: FastifyReply) => {
     req.receivedAtMs = Date.now();
     void reply.header('x-request-id', req.id);
@@ -269,21 +258,7 @@ export async function createApp(config: AppConfig, options: { logger?: boolean }
     // connection is closed, so that no 408 is written after this answer once REQUEST_TIMEOUT_MS passes, which a
     // client reusing the connection would take for the answer to its next request.
     if (!req.raw.complete) req.raw.socket?.destroy();
-    metrics.httpDuration.observe(
-      { method: req.method, route: req.routeOptions.url ?? 'unmatched', status: String(reply.statusCode) },
-      reply.elapsedTime / 1000,
-    );
-    if (logRequests) {
-      log.info(
-        {
-          reqId: req.id,
-          req: { method: req.method, url: req.url, remoteAddress: req.ip },
-          res: { statusCode: reply.statusCode },
-          responseTime: reply.elapsedTime,
-        },
-        'request completed',
-      );
-    }
+    answered(req, reply.statusCode, reply.elapsedTime);
   });
   const document = buildOpenApi(app);
   SwaggerModule.setup('docs', app, document, { jsonDocumentUrl: 'docs-json' });
