@@ -194,6 +194,8 @@ export async function createApp(config: AppConfig, options: { logger?: boolean }
     req.receivedAtMs = Date.now();
     void reply.header('x-request-id', req.id);
     const socket = req.raw.socket;
+    // The client's address, read while the connection is open (Node keeps it): an abandoned request's line has it too.
+    if (logRequests) void socket.remoteAddress;
     reply.raw.once('close', () => {
       if (!reply.raw.writableFinished) abandoned(req, socket);
     });
@@ -257,8 +259,9 @@ export async function createApp(config: AppConfig, options: { logger?: boolean }
     // Answered before its body arrived whole (refused in onRequest, or a GET whose body Fastify ignores): the
     // connection is closed, so that no 408 is written after this answer once REQUEST_TIMEOUT_MS passes, which a
     // client reusing the connection would take for the answer to its next request.
-    if (!req.raw.complete) req.raw.socket?.destroy();
+    // (Its line first: a destroyed socket no longer tells the client's address.)
     answered(req, reply.statusCode, reply.elapsedTime);
+    if (!req.raw.complete) req.raw.socket?.destroy();
   });
   const document = buildOpenApi(app);
   SwaggerModule.setup('docs', app, document, { jsonDocumentUrl: 'docs-json' });
