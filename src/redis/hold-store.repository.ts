@@ -969,19 +969,10 @@ export class HoldStore implements OnApplicationShutdown {
   async rebuildState(): Promise<'missing' | 'unfinished' | 'rebuilt'> {
     const marker = await this.marker();
     if (marker === null) return 'missing';
-    // An older version's marker beside this one's: that version ran on this Redis since this one rebuilt it (a
-    // rollback, then this version again), writing in its own layout: taken for a wipe (legacyMarkerKeys).
-    if (await this.legacyMarkerPresent()) return 'missing';
     return unfinishedRound(marker) === null ? 'rebuilt' : 'unfinished';
   }
 
-  private async legacyMarkerPresent(): Promise<boolean> {
-    // One key a command: the markers need not share a Redis Cluster slot.
-    const found = await Promise.all(legacyMarkerKeys(this.prefix).map((key) => this.command(() => this.redis.exists(key))));
-    return found.some((n) => n > 0);
-  }
-
-  /** Drops the markers of older key layouts (legacyMarkerKeys). */
+  /** Drops the markers of older key layouts (legacyMarkerKeys), one key a command (they need not share a Cluster slot). */
   async dropLegacyMarkers(): Promise<void> {
     for (const key of legacyMarkerKeys(this.prefix)) await this.command(() => this.redis.unlink(key));
   }

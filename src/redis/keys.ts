@@ -50,9 +50,8 @@ export function markerKey(prefix: string): string {
 }
 
 /**
- * The markers of the key layouts before this one (layout 1's had no number). This version's rebuild after a wipe drops
- * them, so that a version before it, started on this Redis again (a rollback), finds none and rebuilds it; and one
- * found beside this version's marker means such a version has run here since, writing in its own layout.
+ * The markers of the key layouts before this one (layout 1's had no number). This version's rebuilds drop them, so
+ * that a version before it, started on this Redis again (a rollback), finds none and rebuilds it.
  */
 export function legacyMarkerKeys(prefix: string): string[] {
   return [`${prefix}meta:rebuilt`, ...Array.from({ length: KEY_LAYOUT - 2 }, (_, i) => `${prefix}meta:rebuilt:${i + 2}`)];

@@ -92,11 +92,11 @@ export class RebuildService {
         adopt = deadRound.endsWith(':fresh') && (await this.holds.rebuildRoundKeyPresent(deadRound));
       }
       // No marker: Redis was wiped, or this version's key layout is new to it (the marker's name changed).
-      if (reason === 'wiped') {
-        await this.holds.dropLegacyAttributeSets(() => this.renewLease());
-        // (Before this round's marker: an older version's left beside it would make it 'missing' again.)
-        await this.holds.dropLegacyMarkers();
-      }
+      if (reason === 'wiped') await this.holds.dropLegacyAttributeSets(() => this.renewLease());
+      // Every rebuild (one runs at every start): an older version, started on this Redis again (a rollback), finds
+      // no marker of its layout and rebuilds Redis in its own, rather than take this layout's keys for its own.
+      // (Not a sign of a wipe: the upgrade from layout 2 to 3 left layout 2's.)
+      await this.holds.dropLegacyMarkers();
       // Redis went back in time, unless another instance has rebuilt it since: what it holds is dropped, and it is
       // rebuilt as after a wipe.
       if (reason === 'rolledBack') {
