@@ -13,13 +13,8 @@ function refusal(code: string, message: string): Error {
   return Object.assign(new Error(message), { code, statusCode: 400 });
 }
 
-/** The charset a request's Content-Type names, when it is not UTF-8 (RFC 8259: JSON is sent in it) or its subset US-ASCII. */
-function otherCharset(req: FastifyRequest): string | undefined {
-  const charset = CHARSET.exec(req.headers['content-type'] ?? '')?.[1];
-  if (charset === undefined) return undefined;
-  const name = charset.toLowerCase();
-  return name === 'utf-8' || name === 'utf8' || name === 'us-ascii' ? undefined : charset;
-}
+/** The charsets a JSON body may be declared in: UTF-8 (RFC 8259: JSON is sent in it) and its subset US-ASCII. */
+const JSON_CHARSETS = new Set(['utf-8', 'utf8', 'us-ascii']);
 
 /**
  * The body parsers: Fastify's JSON parser, given the body's bytes only once they are known to be UTF-8, and a parser
@@ -43,14 +38,15 @@ export function installBodyParsers(fastify: FastifyInstance): void {
     done(null, body.length === 0 ? undefined : body),
   );
   fastify.addContentTypeParser('application/json', { parseAs: 'buffer' }, (req, body: Buffer, done) => {
-    const charset = otherCharset(req);
+    const charset = CHARSET.exec(req.headers['content-type'] ?? '')?.[1];
+    const name = charset?.toLowerCase();
     if (body.length === 0) {
       done(null, undefined);
-    } else if (charset !== undefined) {
+    } else if (name !== undefined && !JSON_CHARSETS.has(name)) {
       done(refusal(BODY_CHARSET, `the body must be JSON in UTF-8; charset ${JSON.stringify(charset)} is not accepted`), undefined);
     } else if (!isUtf8(body)) {
       done(refusal(BODY_NOT_UTF8, 'the body is not valid UTF-8'), undefined);
-    } else if (!isAscii(body) && CHARSET.exec(req.headers['content-type'] ?? '')?.[1]?.toLowerCase() === 'us-ascii') {
+    } else if (name === 'us-ascii' && !isAscii(body)) {
       done(refusal(BODY_NOT_UTF8, 'the body is not US-ASCII, which its Content-Type says it is'), undefined);
     } else {
       void parseJson(req, body.toString('utf8'), done);
