@@ -1,6 +1,6 @@
 import { Inject, Injectable, Logger, OnApplicationShutdown } from '@nestjs/common';
 import { createHash, randomUUID } from 'node:crypto';
-import { ReplyError, type Redis } from 'ioredis';
+import type { Redis } from 'ioredis';
 import { AppConfig } from '../config/app-config.js';
 import type { ResourceRow } from '../database/resource.repository.js';
 import { isRedisOutage } from '../common/dependency-errors.js';
@@ -18,7 +18,16 @@ import {
   poolKeysOf,
   rebuildRunKey,
 } from './keys.js';
-import { REDIS, REDIS_TIMEOUT_MESSAGE, evictionPolicyOf, evictionRefusal, redisNowMs, warnEachError, withTimeout } from './redis.client.js';
+import {
+  ConnectionWatch,
+  REDIS,
+  REDIS_TIMEOUT_MESSAGE,
+  evictionPolicyOf,
+  evictionRefusal,
+  redisNowMs,
+  warnEachError,
+  withTimeout,
+} from './redis.client.js';
 import { monotonicMs } from '../common/clock.js';
 
 /**
@@ -353,7 +362,7 @@ export class HoldStore implements OnApplicationShutdown {
     // KEYS[1] (the free index) names the pool's slot (for Redis Cluster routing); the scripts build their keys from
     // the base.
     const once = () =>
-      this.answered(withTimeout(call.call(this.redis, `${base}free`, base, ...args) as Promise<T>, this.config.REDIS_TIMEOUT_MS));
+      withTimeout(call.call(this.redis, `${base}free`, base, ...args) as Promise<T>, this.config.REDIS_TIMEOUT_MS, this.watch);
     try {
       return await once().catch((err: unknown) => {
         if (retryOnTimeout && err instanceof Error && err.message === REDIS_TIMEOUT_MESSAGE) return once();
@@ -366,43 +375,35 @@ export class HoldStore implements OnApplicationShutdown {
 
   /**
    * Since when no command has been answered, while some timed out (the send of the first of them); null once one is.
-   * See `answered`.
+   * See `watch`.
    */
   private silentSince: number | null = null;
 
   /**
-   * `command`, watched: a connection on which no command is answered for DEAD_CONNECTION_MS, while commands time out,
-   * is made again. One a failover or a NAT left black-holed (the peer gone without a reset) answered every command
-   * 503 until the kernel gave the connection up, a quarter of an hour later. (Redis busy with one long command for
-   * that long loses its connection too, which changes nothing: what was in flight has been answered a timeout.)
+   * The watch of the connection (withTimeout tells it of every command): one on which no command is answered for
+   * DEAD_CONNECTION_MS, while commands time out, is made again. One a failover or a NAT left black-holed (the peer gone
+   * without a reset) answered every command 503 until the kernel gave the connection up, a quarter of an hour later.
+   * (Redis busy with one long command for that long loses its connection too, which changes nothing: what was in
+   * flight has been answered a timeout.)
    */
-  private answered<T>(command: Promise<T>): Promise<T> {
-    return command.then(
-      (value) => {
+  private readonly watch: ConnectionWatch = {
+    answered: () => {
+      this.silentSince = null;
+    },
+    timedOut: () => {
+      const now = monotonicMs();
+      this.silentSince ??= now - this.config.REDIS_TIMEOUT_MS;
+      if (now - this.silentSince >= Math.max(DEAD_CONNECTION_MS, 5 * this.config.REDIS_TIMEOUT_MS) && this.redis.status === 'ready') {
+        this.logger.warn(`redis: no answer for ${Math.round(now - this.silentSince)} ms; connecting again`);
         this.silentSince = null;
-        return value;
-      },
-      (err: unknown) => {
-        if (!(err instanceof Error) || err.message !== REDIS_TIMEOUT_MESSAGE) {
-          // A reply (an error Redis sent) is an answer; a closed connection is ioredis' to make again.
-          if (err instanceof ReplyError) this.silentSince = null;
-          throw err;
-        }
-        const now = monotonicMs();
-        this.silentSince ??= now - this.config.REDIS_TIMEOUT_MS;
-        if (now - this.silentSince >= Math.max(DEAD_CONNECTION_MS, 5 * this.config.REDIS_TIMEOUT_MS) && this.redis.status === 'ready') {
-          this.logger.warn(`redis: no answer for ${Math.round(now - this.silentSince)} ms; connecting again`);
-          this.silentSince = null;
-          this.redis.disconnect(true);
-        }
-        throw err;
-      },
-    );
-  }
+        this.redis.disconnect(true);
+      }
+    },
+  };
 
   private async command<T>(fn: () => Promise<T>): Promise<T> {
     try {
-      return await this.answered(withTimeout(fn(), this.config.REDIS_TIMEOUT_MS));
+      return await withTimeout(fn(), this.config.REDIS_TIMEOUT_MS, this.watch);
     } catch (err) {
       throw isRedisOutage(err) ? DomainError.unavailable('redis', err) : err;
     }

@@ -1,4 +1,4 @@
-import { Redis } from 'ioredis';
+import { Redis, ReplyError } from 'ioredis';
 import { AppConfig } from '../config/app-config.js';
 import { StartupError, endpoint, isRedisOutage, refused, unreachable } from '../common/dependency-errors.js';
 
@@ -66,7 +66,7 @@ export async function redisNowMs(redis: Pick<Redis, 'time'>): Promise<number> {
  * and the caller would get a 503 for nothing. (A stall longer than ioredis' backstop, twice `ms` in
  * createRedis, still fails the commands in flight.)
  */
-export function withTimeout<T>(command: Promise<T>, ms: number): Promise<T> {
+export function withTimeout<T>(command: Promise<T>, ms: number, watch?: ConnectionWatch): Promise<T> {
   return new Promise<T>((resolve, reject) => {
     let settled = false;
     const settle = (finish: () => void) => {
@@ -75,12 +75,36 @@ export function withTimeout<T>(command: Promise<T>, ms: number): Promise<T> {
       clearTimeout(timer);
       finish();
     };
-    const timer = setTimeout(() => setImmediate(() => settle(() => reject(new Error(REDIS_TIMEOUT_MESSAGE)))), ms);
+    const timer = setTimeout(
+      () =>
+        setImmediate(() =>
+          settle(() => {
+            watch?.timedOut();
+            reject(new Error(REDIS_TIMEOUT_MESSAGE));
+          }),
+        ),
+      ms,
+    );
     command.then(
-      (value) => settle(() => resolve(value)),
-      (err: unknown) => settle(() => reject(err)),
+      (value) =>
+        settle(() => {
+          watch?.answered();
+          resolve(value);
+        }),
+      (err: unknown) =>
+        settle(() => {
+          // A reply (an error Redis sent) is an answer; a closed connection is ioredis' to make again.
+          if (err instanceof ReplyError) watch?.answered();
+          reject(err);
+        }),
     );
   });
+}
+
+/** Told of each command `withTimeout` bounds: answered by Redis in time, or not (HoldStore's watch of its connection). */
+export interface ConnectionWatch {
+  answered(): void;
+  timedOut(): void;
 }
 
 /** Redis' maxmemory-policy, from INFO memory ("unknown" if INFO does not say). */
